@@ -1,0 +1,82 @@
+"""Turn `--nvml real|fake:NAME|fake:PATH` into a Host. The choice is always explicit: the detector
+never falls back to a fake on its own."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+from typing import Any
+
+from detector.backends.pci import SysfsPciBus
+from detector.backends.smi import SubprocessSmi
+from detector.core.sweep import Host
+
+
+class BackendError(Exception):
+    """The chosen backend cannot be used at all (as opposed to a GPU problem it reports)."""
+
+
+def open_host(spec: str, *, node_name: str | None = None, sysfs_root: Path | None = None,
+              nvidia_smi: str | None = None) -> Host:
+    kind, _, arg = spec.partition(":")
+    if kind == "real" and not arg:
+        return _real_host(node_name or socket.gethostname(), sysfs_root or Path("/sys"), nvidia_smi or "nvidia-smi")
+    if kind == "fake" and arg:
+        return _fake_host(arg, node_name, sysfs_root, nvidia_smi)
+    raise BackendError(f"--nvml {spec!r}: expected 'real', 'fake:SCENARIO' or 'fake:PATH.yaml'")
+
+
+def _real_host(node_name: str, sysfs_root: Path, nvidia_smi: str) -> Host:
+    import pynvml
+
+    from detector.core.inventory import nvml_error_name
+
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError_LibraryNotFound:
+        raise BackendError("NVML library libnvidia-ml.so.1 not found: no NVIDIA driver is installed here "
+                           "(to try gpu-npd without GPUs, use --nvml fake:h100-sxm-8)") from None
+    except pynvml.NVMLError as e:
+        # The library is there but unusable (driver not loaded, version mismatch): that is a node finding.
+        return Host(node_name, pynvml, SubprocessSmi([nvidia_smi]), SysfsPciBus(sysfs_root),
+                    nvml_init_error=nvml_error_name(e))
+    return Host(node_name, pynvml, SubprocessSmi([nvidia_smi]), SysfsPciBus(sysfs_root), close=_shutdown(pynvml))
+
+
+def _shutdown(nvml: Any):
+    def close() -> None:
+        try:
+            nvml.nvmlShutdown()
+        except Exception:  # noqa: BLE001 - shutting down a broken library must not mask the report
+            pass
+    return close
+
+
+def _fake_host(scenario: str, node_name: str | None, sysfs_root: Path | None, nvidia_smi: str | None) -> Host:
+    import shutil
+    import tempfile
+
+    from detector.yamlsource import SourceError
+    from fake_nvml.host import fake_host
+    from fake_nvml.scenario import load_scenario
+    from fake_nvml.statefile import STATE_ENV, mirror_to, save_state
+
+    try:
+        loaded = load_scenario(scenario)
+    except SourceError as e:
+        raise BackendError(f"fake scenario: {e}") from None
+    if not nvidia_smi:
+        return fake_host(loaded.build(node_name), sysfs_root=sysfs_root)
+    # An external fake-nvidia-smi reads the node through a state file kept current on every fault.
+    tmp = Path(tempfile.mkdtemp(prefix="gpu-npd-fake-"))
+    state_file = tmp / "state.json"
+    node = loaded.build(node_name, on_change=mirror_to(state_file))
+    save_state(node, state_file)
+    host = fake_host(node, sysfs_root=sysfs_root, smi_command=[nvidia_smi], smi_env={STATE_ENV: str(state_file)})
+    shutdown = host.close
+
+    def close() -> None:
+        shutdown()
+        shutil.rmtree(tmp, ignore_errors=True)
+    host.close = close
+    return host

@@ -1,0 +1,131 @@
+"""Can every GPU the node has actually be used? The PCI bus (what is plugged in), NVML (what the
+driver offers) and `nvidia-smi -L` (what tools see) should tell the same story; where they do not,
+the bus ids that differ are named."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from detector.backends.pci import PciDevice
+from detector.core.check import Check, CheckOutput, ConfigField
+from detector.core.inventory import GpuInfo, Inventory
+from detector.core.pciaddr import normalize_bus_id
+from detector.core.sweep import SweepContext
+from detector.core.types import GpuRef, Observation
+
+_SMI_GPU = re.compile(r"^GPU (\d+): (.*) \(UUID: (GPU-[0-9a-fA-F-]+)\)")
+_SMI_NO_HANDLE = re.compile(r"Unable to determine the device handle for GPU\s*([0-9A-Fa-f]+:[0-9A-Fa-f:.]+): (.*)")
+
+
+@dataclass(frozen=True)
+class SmiListing:
+    status: str                          # ok | failed | timeout | not_found | error | disabled
+    uuids: frozenset[str] = frozenset()
+    errors: dict[str, str] | None = None # bus id -> the error nvidia-smi printed for it
+    detail: str = ""
+
+
+class VisibilityCheck(Check):
+    name = "visibility"
+    description = "expected GPUs (config or PCI bus) vs NVML vs nvidia-smi -L, naming missing bus ids"
+    fields = {
+        # one observation per GPU
+        "pci_bus_id": "the GPU's bus id, 0000:bb:dd.f",
+        "on_pci": "the GPU is on the PCI bus",
+        "driver": "kernel driver bound to it on the PCI bus ('' when none)",
+        "in_nvml": "NVML enumerates it and answers for it (null when NVML is unusable)",
+        "nvml_error": "the NVML error for this GPU (GpuIsLost, Hung, ...), '' when none",
+        "in_smi": "nvidia-smi -L lists it (null when nvidia-smi did not run cleanly)",
+        "smi_error": "what nvidia-smi printed about it (or about itself, on the node observation)",
+        # one observation for the node
+        "expected_gpus": "GPUs expected: the configured count, else NVIDIA GPUs on the PCI bus",
+        "pci_gpus": "NVIDIA GPUs on the PCI bus (null when the bus could not be read)",
+        "nvml_gpus": "GPUs NVML enumerates",
+        "usable_gpus": "GPUs NVML answers for without error",
+        "nvml_status": "ok, or why NVML as a whole is unusable (DriverNotLoaded, Hung, ...)",
+        "smi_status": "ok, failed, timeout, not_found, error or disabled",
+        "smi_gpus": "GPUs nvidia-smi -L listed",
+    }
+    config_fields = {
+        "expected_gpus": ConfigField(int, 0, "GPUs this node must have; 0 = as many as are on the PCI bus"),
+        "nvidia_smi": ConfigField(bool, True, "also compare with nvidia-smi -L"),
+        "smi_timeout": ConfigField(float, 10.0, "seconds before nvidia-smi counts as hung"),
+    }
+    default_interval_s = 60.0
+    default_timeout_s = 20.0
+
+    def run(self, ctx: SweepContext) -> CheckOutput:
+        pci, pci_error = ctx.pci_gpus, ctx.pci_error
+        smi = self._smi(ctx)
+        inv = ctx.inventory
+        by_bus = inv.by_bus_id()
+        bus_ids = sorted({d.bus_id for d in pci or []} | set(by_bus))
+        pci_by_bus = {d.bus_id: d for d in pci or []}
+        pci_order = [d.bus_id for d in pci or []]
+
+        observations = [self._gpu_observation(b, pci_by_bus.get(b), by_bus.get(b), inv, smi, pci_order)
+                        for b in bus_ids]
+        expected = self.config["expected_gpus"] or (len(pci) if pci is not None else None)
+        node = {
+            "expected_gpus": expected,
+            "pci_gpus": len(pci) if pci is not None else None,
+            "nvml_gpus": len(inv.gpus) if inv.nvml_error is None else None,
+            "usable_gpus": sum(1 for g in inv.gpus if g.error is None) if inv.nvml_error is None else None,
+            "nvml_status": inv.nvml_error or "ok",
+            "smi_status": smi.status,
+            "smi_gpus": len(smi.uuids) if smi.status == "ok" else None,
+            "smi_error": smi.detail,
+        }
+        observations.append(Observation(self.name, node))
+        result = {**node, "pci_error": pci_error,
+                  "missing_bus_ids": [o.gpu.pci_bus_id for o in observations
+                                      if o.gpu and o.fields["in_nvml"] is False]}
+        return CheckOutput(observations, result)
+
+    def _gpu_observation(self, bus_id: str, dev: PciDevice | None, info: GpuInfo | None, inv: Inventory,
+                         smi: SmiListing, pci_order: list[str]) -> Observation:
+        nvml_ok = inv.nvml_error is None
+        in_nvml = (info is not None and info.error is None) if nvml_ok else None
+        in_smi = None
+        if smi.status == "ok":
+            in_smi = bool(info and info.uuid and info.uuid in smi.uuids)
+        fields: dict[str, Any] = {
+            "pci_bus_id": bus_id,
+            "on_pci": dev is not None,
+            "driver": (dev.driver or "") if dev else "",
+            "in_nvml": in_nvml,
+            "nvml_error": (info.error or "") if info else "",
+            "in_smi": in_smi,
+            "smi_error": (smi.errors or {}).get(bus_id, ""),
+        }
+        # A GPU NVML does not enumerate is named by where NVML would have put it: its PCI-order position.
+        index = info.index if info else (pci_order.index(bus_id) if bus_id in pci_order else None)
+        return Observation(self.name, fields, GpuRef(index, info.uuid if info else None, bus_id))
+
+    def _smi(self, ctx: SweepContext) -> SmiListing:
+        if not self.config["nvidia_smi"]:
+            return SmiListing("disabled")
+        outcome = ctx.host.smi.run(["-L"], self.config["smi_timeout"])
+        if outcome.status != "ok":
+            return SmiListing(outcome.status, detail=outcome.detail)
+        return parse_smi_list(outcome.returncode or 0, outcome.stdout + outcome.stderr)
+
+
+def parse_smi_list(returncode: int, text: str) -> SmiListing:
+    """`nvidia-smi -L`: one `GPU n: NAME (UUID: ...)` line per GPU; a GPU it cannot open gets an
+    `Unable to determine the device handle for GPU<bus id>: <error>` line instead."""
+    uuids, errors = set(), {}
+    for line in text.splitlines():
+        if m := _SMI_GPU.match(line.strip()):
+            uuids.add(m.group(3))
+        elif m := _SMI_NO_HANDLE.search(line):
+            try:
+                errors[normalize_bus_id(m.group(1))] = m.group(2).strip()
+            except ValueError:
+                pass
+    if returncode != 0 and not uuids and not errors:
+        first = next((ln.strip() for ln in text.splitlines() if ln.strip()), "")
+        return SmiListing("failed", detail=f"exit code {returncode}: {first}"[:300])
+    return SmiListing("ok", frozenset(uuids), errors)

@@ -1,0 +1,1 @@
+"""The `gpu-npd` command line."""

@@ -1,0 +1,167 @@
+"""`gpu-npd`: diagnose a GPU node now, list checks and scenarios, validate rule files.
+
+Exit codes: 0 healthy, 1 problems found, 2 bad usage, bad rules or config, or an unusable backend.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from importlib import resources
+from pathlib import Path
+from typing import Sequence
+
+from detector import __version__
+from detector.backends.select import BackendError, open_host
+from detector.cli.render import Diagnosis, render_table
+from detector.config import build_checks, load_check_settings
+from detector.core.check import CheckRegistry
+from detector.core.sweep import run_sweep
+from detector.rules.engine import RuleEngine
+from detector.rules.loader import RuleSet, load_rules
+from detector.yamlsource import SourceError
+
+EXIT_HEALTHY, EXIT_PROBLEMS, EXIT_USAGE = 0, 1, 2
+BUILTIN_RULES = "builtin"
+
+
+class UsageError(Exception):
+    """Bad input from the user: printed as one line, exit code 2."""
+
+
+def builtin_rules_dir() -> Path:
+    return Path(str(resources.files("detector") / "rules"))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return EXIT_USAGE
+    try:
+        return args.func(args)
+    except (UsageError, SourceError, BackendError, KeyError, ValueError) as e:
+        message = e.args[0] if isinstance(e, KeyError) and e.args else e
+        print(f"gpu-npd: error: {message}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return 130
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="gpu-npd",
+        description="GPU node problem detector: finds GPUs that fell off the bus, degraded PCIe links, "
+                    "XIDs and more, and says what to do about them.",
+        epilog="Try it without GPUs: gpu-npd diagnose --nvml fake:h100-sxm-8-pcie-x8",
+    )
+    parser.add_argument("--version", action="version", version=f"gpu-npd {__version__}")
+    sub = parser.add_subparsers(metavar="COMMAND")
+
+    d = sub.add_parser(
+        "diagnose", help="check this node once and print what is wrong",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Run every check once through the rules and print the GPUs and the problems found.\n"
+                    "Exit code: 0 healthy, 1 problems found, 2 bad usage, bad rules or unusable backend.",
+        epilog="examples:\n"
+               "  gpu-npd diagnose                                   # this node, real NVML\n"
+               "  gpu-npd diagnose --nvml fake:h100-sxm-8-xid79 -o json\n"
+               "  gpu-npd diagnose --checks pcie --rules builtin --rules my-rules.yaml\n"
+               "  gpu-npd scenarios                                  # fake nodes to try")
+    d.add_argument("--nvml", default=os.environ.get("GPU_NPD_NVML", "real"), metavar="BACKEND",
+                   help="real, fake:SCENARIO or fake:PATH.yaml (default: $GPU_NPD_NVML or real)")
+    d.add_argument("--rules", action="append", type=Path, metavar="PATH",
+                   help="rule file or directory; repeatable; 'builtin' names the bundled rules "
+                        "(default: builtin only)")
+    d.add_argument("--checks", metavar="A,B", help="comma-separated checks to run (default: all; see "
+                                                   "'gpu-npd checks')")
+    d.add_argument("--config", type=Path, metavar="FILE", help="YAML settings: checks.<name>.<setting>")
+    d.add_argument("--expect-gpus", type=int, metavar="N",
+                   help="GPUs this node must have (default: as many as are on the PCI bus)")
+    d.add_argument("-o", "--output", choices=("table", "json"), default="table", help="default: table")
+    d.add_argument("--node-name", default=os.environ.get("NODE_NAME"), help="default: $NODE_NAME or hostname")
+    d.add_argument("--sysfs-root", type=Path, metavar="DIR", help="read the PCI bus under DIR (default: /sys)")
+    d.add_argument("--nvidia-smi", metavar="PATH", help="nvidia-smi to run (default: nvidia-smi on PATH; "
+                                                        "in fake mode an in-process fake)")
+    d.add_argument("--inventory-timeout", type=float, default=10.0, metavar="SECONDS",
+                   help="give up on NVML calls after this long (default: 10)")
+    d.set_defaults(func=cmd_diagnose)
+
+    c = sub.add_parser("checks", help="list the checks and the fields rules can use")
+    c.set_defaults(func=cmd_checks)
+
+    r = sub.add_parser("validate-rules", help="load rule files and report any mistake (exit 2) or OK")
+    r.add_argument("paths", nargs="*", type=Path, metavar="PATH", help="files or directories (default: builtin)")
+    r.set_defaults(func=cmd_validate_rules)
+
+    s = sub.add_parser("scenarios", help="list the bundled fake-node scenarios for --nvml fake:NAME")
+    s.set_defaults(func=cmd_scenarios)
+    return parser
+
+
+def load_ruleset(paths: Sequence[Path] | None, registry: CheckRegistry) -> RuleSet:
+    resolved = [builtin_rules_dir() if str(p) == BUILTIN_RULES else p for p in (paths or [Path(BUILTIN_RULES)])]
+    return load_rules(resolved, registry.fields_by_check())
+
+
+def cmd_diagnose(args: argparse.Namespace) -> int:
+    registry = CheckRegistry.from_entry_points()
+    ruleset = load_ruleset(args.rules, registry)
+    settings, settings_file = {}, "<settings>"
+    if args.config:
+        settings_file, settings = load_check_settings(args.config)
+    if args.expect_gpus is not None:
+        if args.expect_gpus < 1:
+            raise UsageError("--expect-gpus must be at least 1")
+        settings = {**settings, "visibility": {**(settings.get("visibility") or {}),
+                                                "expected_gpus": args.expect_gpus}}
+    selected = [n.strip() for n in args.checks.split(",") if n.strip()] if args.checks else None
+    checks = build_checks(registry, selected, settings, settings_file)
+    host = open_host(args.nvml, node_name=args.node_name, sysfs_root=args.sysfs_root, nvidia_smi=args.nvidia_smi)
+    try:
+        sweep = run_sweep(host, checks, inventory_timeout_s=args.inventory_timeout)
+    finally:
+        host.close()
+    diagnosis = Diagnosis(args.nvml, sweep, RuleEngine(ruleset).evaluate(sweep.observations))
+    if args.output == "json":
+        print(json.dumps(diagnosis.to_dict(), indent=2))
+    else:
+        print(render_table(diagnosis))
+    return EXIT_PROBLEMS if diagnosis.problems else EXIT_HEALTHY
+
+
+def cmd_checks(args: argparse.Namespace) -> int:
+    registry = CheckRegistry.from_entry_points()
+    for name in registry.names():
+        cls = registry.get(name)
+        print(f"{name}: {cls.description}")
+        print(f"  every {cls.default_interval_s:g}s, timeout {cls.default_timeout_s:g}s")
+        for key, spec in cls.config_fields.items():
+            print(f"  setting {key} (default {spec.default!r}): {spec.help}")
+        for field, meaning in {**cls.fields}.items():
+            print(f"  field {field}: {meaning}")
+        print()
+    print("Every check also has the fields check, check_status, check_error and duration_ms.")
+    return EXIT_HEALTHY
+
+
+def cmd_validate_rules(args: argparse.Namespace) -> int:
+    registry = CheckRegistry.from_entry_points()
+    ruleset = load_ruleset(args.paths or None, registry)
+    print(f"OK: {len(ruleset.rules)} rules in {len(ruleset.files)} file(s)")
+    return EXIT_HEALTHY
+
+
+def cmd_scenarios(args: argparse.Namespace) -> int:
+    from fake_nvml.scenario import bundled_scenarios, load_scenario
+
+    for name in bundled_scenarios():
+        print(f"{name:28} {load_scenario(name).description}")
+    return EXIT_HEALTHY
+
+
+if __name__ == "__main__":
+    sys.exit(main())

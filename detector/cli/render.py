@@ -1,0 +1,70 @@
+"""How a diagnosis looks: a table for people, JSON for programs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from detector.core.sweep import SweepResult
+from detector.core.types import Problem, Severity
+
+
+@dataclass(frozen=True)
+class Diagnosis:
+    backend: str
+    sweep: SweepResult
+    problems: list[Problem]
+
+    def to_dict(self) -> dict[str, Any]:
+        inv = self.sweep.inventory
+        return {
+            "node": self.sweep.node,
+            "backend": self.backend,
+            "driver_version": inv.driver_version,
+            "nvml_error": inv.nvml_error,
+            "healthy": not self.problems,
+            "gpus": [{
+                "index": g.index, "uuid": g.uuid, "name": g.name, "pci_bus_id": g.pci_bus_id,
+                "pcie": g.pcie.to_dict() if g.pcie else None, "error": g.error,
+            } for g in inv.gpus],
+            "problems": [p.to_dict() for p in self.problems],
+            "checks": [run.to_dict() for run in self.sweep.runs],
+        }
+
+
+def render_table(d: Diagnosis) -> str:
+    inv = d.sweep.inventory
+    lines = [f"node {d.sweep.node}  backend {d.backend}  driver {inv.driver_version or '-'}  "
+             f"GPUs {len(inv.gpus)}"]
+    if inv.nvml_error:
+        lines.append(f"NVML unusable: {inv.nvml_error}")
+    rows = [("GPU", "NAME", "BUS ID", "UUID", "PCIE", "STATE")]
+    for g in inv.gpus:
+        link = "-"
+        if g.pcie and g.pcie.current_width:
+            link = f"Gen{g.pcie.current_gen} x{g.pcie.current_width}/x{g.pcie.max_width}"
+        rows.append((str(g.index), g.name or "-", g.pci_bus_id or "-", g.uuid or "-", link, g.error or "ok"))
+    if inv.gpus:
+        lines += ["", *_columns(rows)]
+    lines += ["", "checks: " + ", ".join(
+        f"{r.name} {r.status} ({r.duration_ms:.0f} ms)" + (f": {r.error}" if r.error else "") for r in d.sweep.runs)]
+    lines.append("")
+    if not d.problems:
+        lines.append("No problems found.")
+        return "\n".join(lines)
+    lines.append(f"{len(d.problems)} problem(s):")
+    for p in sorted(d.problems, key=lambda p: -p.severity.rank):
+        gpus = ",".join(str(g.index) for g in p.gpus if g.index is not None)
+        lines.append(f"  {_badge(p.severity)} {p.type}/{p.reason}" + (f"  GPUs {gpus}" if gpus else "")
+                     + f"  [{p.report}, rule {p.rule}]")
+        lines.append(f"      {p.message}")
+    return "\n".join(lines)
+
+
+def _badge(severity: Severity) -> str:
+    return f"{severity.value.upper():<8}"
+
+
+def _columns(rows: list[tuple[str, ...]]) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]

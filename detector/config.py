@@ -1,0 +1,50 @@
+"""Agent settings from a YAML file: which checks, and each check's own settings.
+
+    checks:
+      visibility: {expected_gpus: 8, interval: 60, timeout: 20}
+      pcie: {}
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from detector.core.check import Check, CheckRegistry
+from detector.yamlsource import MappingReader, SourceError, load_yaml
+
+
+def load_check_settings(path: Path) -> tuple[str, dict[str, Any]]:
+    """The `checks:` mapping of a config file (raw, validated later against each check)."""
+    doc = load_yaml(path)
+    top = MappingReader(doc.file, doc.data if doc.data is not None else {}, "")
+    top.reject_unknown({"checks"})
+    return doc.file, (top.get("checks", dict, {}))
+
+
+def build_checks(registry: CheckRegistry, selected: Sequence[str] | None,
+                 settings: Mapping[str, Any] | None = None, file: str = "<settings>") -> list[Check]:
+    """Instantiate checks by name with validated settings. Unknown names or settings raise
+    SourceError (from a file) or KeyError (from --checks)."""
+    settings = settings or {}
+    for name in settings:
+        if name not in registry.names():
+            raise SourceError(file, getattr(settings, "line_of", lambda k: None)(name), f"checks.{name}",
+                              f"no check named {name!r} (available: {', '.join(registry.names())})")
+    names = list(selected) if selected is not None else registry.names()
+    checks = []
+    for name in names:
+        cls = registry.get(name)
+        raw = settings.get(name) or {}
+        reader = MappingReader(file, raw, f"checks.{name}")
+        reader.reject_unknown(set(cls.config_fields) | {"interval", "timeout"})
+        values: dict[str, Any] = {key: reader.get(key, spec.kind, spec.default)
+                                  for key, spec in cls.config_fields.items()}
+        for key in ("interval", "timeout"):
+            if reader.has(key):
+                value = reader.get(key, float)
+                if value <= 0:
+                    raise reader.error(key, "must be a positive number of seconds")
+                values[key] = value
+        checks.append(cls(values))
+    return checks

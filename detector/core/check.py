@@ -1,0 +1,109 @@
+"""What a check is, and the registry through which checks join without editing the core."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from importlib.metadata import entry_points
+from typing import TYPE_CHECKING, Any, ClassVar, Mapping
+
+from detector.core.types import Observation
+
+if TYPE_CHECKING:
+    from detector.core.sweep import SweepContext
+
+ENTRY_POINT_GROUP = "gpu_npd.checks"
+
+# Fields every check's status observation carries; rules may use them with any check.
+COMMON_FIELDS: dict[str, str] = {
+    "check": "the check's name",
+    "check_status": "how the check's last run ended: ok, error or timeout",
+    "check_error": "the error text when check_status is not ok, else empty",
+    "duration_ms": "how long the run took, in milliseconds",
+}
+
+
+@dataclass(frozen=True)
+class ConfigField:
+    kind: type
+    default: Any
+    help: str
+
+
+@dataclass
+class CheckOutput:
+    observations: list[Observation] = field(default_factory=list)
+    result: dict[str, Any] | None = None      # a check-specific summary for reports
+
+
+class Check(ABC):
+    """A plugin that looks at one aspect of the node and reports neutral facts (Observations).
+
+    Subclasses declare the fields their observations carry, so rule files can be validated
+    against them when they load, not when a GPU breaks at 3 a.m.
+    """
+
+    name: ClassVar[str]
+    description: ClassVar[str]
+    fields: ClassVar[Mapping[str, str]]
+    config_fields: ClassVar[Mapping[str, ConfigField]] = {}
+    default_interval_s: ClassVar[float] = 60.0
+    default_timeout_s: ClassVar[float] = 15.0
+
+    def __init__(self, config: Mapping[str, Any] | None = None):
+        config = dict(config or {})
+        unknown = set(config) - set(self.config_fields) - {"interval", "timeout"}
+        if unknown:
+            known = ", ".join(sorted(self.config_fields)) or "none besides interval and timeout"
+            raise ValueError(f"check {self.name!r}: unknown setting(s) {', '.join(sorted(unknown))} "
+                             f"(known: {known})")
+        self.config = {key: config.get(key, spec.default) for key, spec in self.config_fields.items()}
+        self.interval_s = float(config.get("interval", self.default_interval_s))
+        self.timeout_s = float(config.get("timeout", self.default_timeout_s))
+
+    @abstractmethod
+    def run(self, ctx: "SweepContext") -> CheckOutput:
+        """Look, and return what was seen. May raise; may block (the sweep abandons it at its timeout)."""
+
+    @classmethod
+    def all_fields(cls) -> set[str]:
+        return set(cls.fields) | set(COMMON_FIELDS)
+
+
+class CheckRegistry:
+    """Check classes by name. Built-in and third-party checks arrive the same way: entry points."""
+
+    def __init__(self) -> None:
+        self._checks: dict[str, type[Check]] = {}
+
+    def register(self, cls: type[Check]) -> type[Check]:
+        existing = self._checks.get(cls.name)
+        if existing is not None and existing is not cls:
+            raise ValueError(f"two checks are named {cls.name!r}: {existing.__module__} and {cls.__module__}")
+        self._checks[cls.name] = cls
+        return cls
+
+    def get(self, name: str) -> type[Check]:
+        try:
+            return self._checks[name]
+        except KeyError:
+            raise KeyError(f"no check named {name!r} (available: {', '.join(self.names())})") from None
+
+    def names(self) -> list[str]:
+        return sorted(self._checks)
+
+    def fields_by_check(self) -> dict[str, set[str]]:
+        return {name: cls.all_fields() for name, cls in self._checks.items()}
+
+    @classmethod
+    def from_entry_points(cls, group: str = ENTRY_POINT_GROUP) -> "CheckRegistry":
+        registry = cls()
+        for ep in entry_points(group=group):
+            check = ep.load()
+            if not (isinstance(check, type) and issubclass(check, Check)):
+                raise TypeError(f"entry point {ep.name} = {ep.value} is not a Check subclass")
+            registry.register(check)
+        if not registry._checks:
+            raise RuntimeError(f"no checks registered under entry-point group {group!r}: "
+                               "is gpu-npd installed (pip install -e .)?")
+        return registry

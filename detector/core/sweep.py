@@ -1,0 +1,128 @@
+"""One sweep: read the GPU inventory, run the selected checks (each under its own timeout), and
+collect what they observed. The daemon and `diagnose` share this; only the reporting differs."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+from detector.backends.pci import PciBus, PciDevice, nvidia_gpus
+from detector.backends.smi import NvidiaSmi
+from detector.core.check import Check, CheckOutput
+from detector.core.deadline import Hung, Pending
+from detector.core.inventory import Inventory, read_inventory
+from detector.core.types import Observation
+
+
+@dataclass
+class Host:
+    """The backends one node agent reads. Nothing global: a simulator holds thousands."""
+
+    node_name: str
+    nvml: Any                          # the pynvml module, or a fake_nvml.FakeNvml instance
+    smi: NvidiaSmi
+    pci: PciBus
+    nvml_init_error: str | None = None # nvmlInit failed with this (DriverNotLoaded, ...): a finding
+    threaded: bool = True              # False: call checks inline (fake backends that cannot hang)
+    close: Callable[[], None] = lambda: None
+
+
+@dataclass(frozen=True)
+class SweepContext:
+    host: Host
+    inventory: Inventory
+    pci_gpus: list[PciDevice] | None     # NVIDIA GPUs on the PCI bus; None when it could not be read
+    pci_error: str
+    started: float
+
+
+@dataclass
+class CheckRun:
+    name: str
+    status: str                        # ok | error | timeout
+    duration_ms: float
+    error: str = ""
+    result: dict[str, Any] | None = None
+    observations: list[Observation] = field(default_factory=list)
+
+    def status_observation(self) -> Observation:
+        """Every run is itself an observation, so rules can flag checks that hang or fail."""
+        return Observation(self.name, {"check": self.name, "check_status": self.status, "check_error": self.error,
+                                       "duration_ms": round(self.duration_ms, 1)})
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"name": self.name, "status": self.status, "duration_ms": round(self.duration_ms, 1)}
+        if self.error:
+            d["error"] = self.error
+        if self.result is not None:
+            d["result"] = self.result
+        return d
+
+
+@dataclass
+class SweepResult:
+    node: str
+    inventory: Inventory
+    runs: list[CheckRun]
+    started: float
+
+    @property
+    def observations(self) -> list[Observation]:
+        out: list[Observation] = []
+        for run in self.runs:
+            out.append(run.status_observation())
+            out.extend(run.observations)
+        return out
+
+
+def run_sweep(host: Host, checks: Sequence[Check], inventory_timeout_s: float = 10.0) -> SweepResult:
+    started = time.time()
+    try:
+        pci_gpus, pci_error = nvidia_gpus(host.pci), ""
+    except OSError as e:
+        pci_gpus, pci_error = None, str(e)
+    if host.nvml_init_error:
+        inventory = Inventory(None, host.nvml_init_error, [])
+    else:
+        inventory = read_inventory(host.nvml, inventory_timeout_s, threaded=host.threaded)
+    inventory = inventory.named_from_pci(pci_gpus)
+    ctx = SweepContext(host, inventory, pci_gpus, pci_error, started)
+    if host.threaded:
+        runs = _run_threaded(ctx, checks)
+    else:
+        runs = [_run_inline(ctx, check) for check in checks]
+    return SweepResult(host.node_name, inventory, runs, started)
+
+
+def _run_inline(ctx: SweepContext, check: Check) -> CheckRun:
+    t0 = time.monotonic()
+    try:
+        output = check.run(ctx)
+    except Exception as e:  # noqa: BLE001 - a broken check is reported, never fatal
+        return CheckRun(check.name, "error", _ms(t0), f"{type(e).__name__}: {e}")
+    return _finished(check.name, output, _ms(t0))
+
+
+def _run_threaded(ctx: SweepContext, checks: Sequence[Check]) -> list[CheckRun]:
+    pending = [(check, Pending(lambda c=check: c.run(ctx), f"check-{check.name}")) for check in checks]
+    runs = []
+    for check, p in pending:
+        try:
+            output = p.result(p.started + check.timeout_s - time.monotonic())
+        except Hung:
+            runs.append(CheckRun(check.name, "timeout", p.elapsed_ms,
+                                 f"did not finish within its {check.timeout_s:g}s timeout"))
+        except Exception as e:  # noqa: BLE001 - a broken check is reported, never fatal
+            runs.append(CheckRun(check.name, "error", p.elapsed_ms, f"{type(e).__name__}: {e}"))
+        else:
+            runs.append(_finished(check.name, output, p.elapsed_ms))
+    return runs
+
+
+def _finished(name: str, output: CheckOutput, duration_ms: float) -> CheckRun:
+    return CheckRun(name, "ok", duration_ms, result=output.result, observations=list(output.observations))
+
+
+def _ms(t0: float) -> float:
+    return (time.monotonic() - t0) * 1000

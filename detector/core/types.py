@@ -1,0 +1,93 @@
+"""The small problem API shared by checks, rules and reporters.
+
+Checks emit Observations (neutral facts). Rules turn them into Problems (what the facts mean).
+Reporters (terminal, JSON, Kubernetes, Prometheus) only ever see Problems.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Mapping
+
+
+class Severity(str, Enum):
+    INFO = "info"
+    WARNING = "warning"
+    CRITICAL = "critical"
+
+    @property
+    def rank(self) -> int:
+        return _SEVERITY_RANK[self]
+
+
+_SEVERITY_RANK = {Severity.INFO: 0, Severity.WARNING: 1, Severity.CRITICAL: 2}
+
+
+# Recommended actions: NVIDIA's XID catalogue buckets, plus what an operator needs beyond them.
+ACTIONS: dict[str, str] = {
+    "NONE": "no action needed",
+    "IGNORE": "no action needed; informational",
+    "RESTART_APP": "restart the application that used the GPU",
+    "RESET_GPU": "stop the GPU's workloads and reset it with nvidia-smi -r, or reboot the node",
+    "RESTART_BM": "drain the node and reboot it; power-cycle it if the GPU does not come back",
+    "RESTART_VM": "drain the node and restart the VM",
+    "CHECK_MECHANICALS": "drain the node and check the GPU's power cables and seating",
+    "CHECK_UVM": "check the UVM driver and the application's memory use",
+    "CHECK_DRIVER": "check that the NVIDIA driver is installed, loaded and matches its user-space libraries",
+    "INSPECT": "look at the node: the detector could not tell what is wrong",
+    "CONTACT_SUPPORT": "drain the node and open a hardware case with the vendor",
+}
+
+
+@dataclass(frozen=True)
+class GpuRef:
+    """Which GPU something is about, as far as it is known."""
+
+    index: int | None
+    uuid: str | None = None
+    pci_bus_id: str | None = None
+
+    def label(self) -> str:
+        ids = ", ".join(x for x in (self.uuid, self.pci_bus_id) if x)
+        name = f"GPU {self.index}" if self.index is not None else "GPU"
+        return f"{name} ({ids})" if ids else name
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"index": self.index, "uuid": self.uuid, "pci_bus_id": self.pci_bus_id}
+
+
+@dataclass(frozen=True)
+class Observation:
+    """A fact one check saw, about the node (gpu=None) or one GPU."""
+
+    check: str
+    fields: Mapping[str, Any]
+    gpu: GpuRef | None = None
+    time: float = field(default_factory=time.time)
+
+
+@dataclass(frozen=True)
+class Problem:
+    """What a rule concluded: a condition to set on the node, or an event to record."""
+
+    rule: str
+    check: str
+    type: str                 # the NodeCondition type (or the event's problem type)
+    reason: str
+    message: str
+    severity: Severity
+    action: str
+    report: str               # "condition" or "event"
+    gpus: tuple[GpuRef, ...] = ()
+    time: float = field(default_factory=time.time)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "rule": self.rule, "check": self.check, "type": self.type, "reason": self.reason,
+            "message": self.message, "severity": self.severity.value, "action": self.action,
+            "report": self.report,
+            "gpus": [g.index for g in self.gpus if g.index is not None],
+            "gpu_details": [g.to_dict() for g in self.gpus],
+        }

@@ -1,0 +1,185 @@
+"""Faults a fake node can suffer. Each fault changes the node's one state, so NVML, nvidia-smi,
+the PCI bus and the kernel log all tell the same story."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable
+
+if TYPE_CHECKING:
+    from fake_nvml.node import FakeGpu, FakeNode, NodeState
+
+# What the driver prints for the XIDs whose text a test is likely to look at.
+XID_TEXT: dict[int, str] = {
+    13: "Graphics SM Warp Exception on (GPC 0, TPC 0, SM 0): Out Of Range Address",
+    31: "Ch 00000010, intr 10000000. MMU Fault: ENGINE GRAPHICS GPCCLIENT_T1_0 faulted @ 0x7f12_3456a000. "
+        "Fault is of type FAULT_PDE ACCESS_TYPE_READ",
+    43: "Ch 00000008",
+    48: "An uncorrectable double bit error (DBE) has been detected on GPU in the framebuffer at partition 0, "
+        "subpartition 0.",
+    63: "Row Remapper: New row (0x0000000000012345) was marked for remapping, reset gpu to activate.",
+    64: "Row Remapper Error: row (0x0000000000012345) remapping failed",
+    74: "NVLink: fatal error detected on link 4(0x0, 0x0, 0x10000, 0x0, 0x0, 0x0, 0x0)",
+    79: "GPU has fallen off the bus.",
+    92: "High single-bit ECC error rate detected",
+    94: "Contained: SM (0x1). RST: No, D-RST: No",
+    95: "Uncontained: FBHUB. RST: Yes, D-RST: No",
+    109: "Ch 00000008, errorString CTX SWITCH TIMEOUT, Info 0x58005",
+    119: "Timeout after 6s of waiting for RPC response from GPU0 GSP! Expected function 76 (GSP_RM_CONTROL).",
+}
+
+
+@dataclass(frozen=True)
+class FaultKind:
+    """A kind of fault: which parameters it takes and what it does to the node."""
+
+    name: str
+    needs_gpu: bool
+    params: dict[str, type]            # optional parameters and their types
+    required: tuple[str, ...]
+    apply: Callable[["Fault", "NodeState", "FakeGpu | None", "FakeNode"], None]
+    help: str
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: str
+    gpu: int | None = None
+    params: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        spec = FAULT_KINDS.get(self.kind)
+        if spec is None:
+            raise ValueError(f"unknown fault kind {self.kind!r} (known: {', '.join(sorted(FAULT_KINDS))})")
+        if spec.needs_gpu and self.gpu is None:
+            raise ValueError(f"fault {self.kind!r} needs a 'gpu'")
+        for key, value in self.params.items():
+            want = spec.params.get(key)
+            if want is None:
+                known = ", ".join(sorted(spec.params)) or "none"
+                raise ValueError(f"fault {self.kind!r} takes no parameter {key!r} (it takes: {known})")
+            if not isinstance(value, want) or isinstance(value, bool) and want is not bool:
+                if not (want is float and isinstance(value, int) and not isinstance(value, bool)):
+                    raise ValueError(f"fault {self.kind!r}: {key} must be {want.__name__}, got {value!r}")
+        for key in spec.required:
+            if key not in self.params:
+                raise ValueError(f"fault {self.kind!r} needs parameter {key!r}")
+
+    def apply(self, state: "NodeState", gpu: "FakeGpu | None", node: "FakeNode") -> None:
+        FAULT_KINDS[self.kind].apply(self, state, gpu, node)
+
+    def describe(self) -> str:
+        where = f" on GPU {self.gpu}" if self.gpu is not None else ""
+        args = ", ".join(f"{k}={v}" for k, v in sorted(self.params.items()))
+        return f"{self.kind}{where}" + (f" ({args})" if args else "")
+
+
+def xid_line(gpu: "FakeGpu", code: int, message: str | None, pid: int | None) -> str:
+    domain, bus, dev_fn = gpu.pci_bus_id.split(":")
+    who = f"pid={pid}, name=python3" if pid else "pid='<unknown>', name=<unknown>"
+    text = message or XID_TEXT.get(code, "Graphics Exception")
+    return f"NVRM: Xid (PCI:{domain}:{bus}:{dev_fn.split('.')[0]}): {code}, {who}, {text}"
+
+
+def _xid(f: Fault, state: "NodeState", gpu: "FakeGpu | None", node: "FakeNode") -> None:
+    assert gpu is not None
+    code = f.params["code"]
+    node.log_kernel(xid_line(gpu, code, f.params.get("message"), f.params.get("pid")))
+    node.emit_xid(gpu, code)
+    if code == 79:
+        gpu.lost = True          # from now on the driver answers GPU_IS_LOST for this GPU
+    if code in (48, 95):
+        gpu.ecc_uncorrected += 1
+    if code == 63:
+        gpu.remapped_uncorrected += 1
+        gpu.remap_pending = True
+    if code == 64:
+        gpu.remap_failure = True
+
+
+def _pcie(f: Fault, state: "NodeState", gpu: "FakeGpu | None", node: "FakeNode") -> None:
+    assert gpu is not None
+    gpu.pcie_width = f.params.get("width", gpu.pcie_width)
+    gpu.pcie_gen = f.params.get("gen", gpu.pcie_gen)
+
+
+def _set(attr: str, value_param: str | None, value: Any = None):
+    def apply(f: Fault, state: "NodeState", gpu: "FakeGpu | None", node: "FakeNode") -> None:
+        target = gpu if gpu is not None else state
+        setattr(target, attr, f.params[value_param] if value_param else value)
+    return apply
+
+
+def _nvlink_down(f: Fault, state: "NodeState", gpu: "FakeGpu | None", node: "FakeNode") -> None:
+    assert gpu is not None
+    link = f.params["link"]
+    if link not in gpu.nvlinks_down:
+        gpu.nvlinks_down.append(link)
+    state.nccl_busbw_factor = min(state.nccl_busbw_factor, 0.5)
+
+
+def _ecc(f: Fault, state: "NodeState", gpu: "FakeGpu | None", node: "FakeNode") -> None:
+    assert gpu is not None
+    gpu.ecc_corrected += f.params.get("corrected", 0)
+    gpu.ecc_uncorrected += f.params.get("uncorrected", 0)
+
+
+def _busy(f: Fault, state: "NodeState", gpu: "FakeGpu | None", node: "FakeNode") -> None:
+    assert gpu is not None
+    gpu.utilization_pct = f.params.get("utilization", 100)
+    gpu.processes = [(f.params.get("pid", 4242), f.params.get("memory_mib", 1024))]
+    gpu.memory_used_mib = sum(m for _, m in gpu.processes)
+
+
+def _idle(f: Fault, state: "NodeState", gpu: "FakeGpu | None", node: "FakeNode") -> None:
+    assert gpu is not None
+    gpu.utilization_pct, gpu.processes, gpu.memory_used_mib = 0, [], 0
+
+
+def _kernel_line(f: Fault, state: "NodeState", gpu: "FakeGpu | None", node: "FakeNode") -> None:
+    node.log_kernel(f.params["message"], f.params.get("priority", 4))
+
+
+def _recover(f: Fault, state: "NodeState", gpu: "FakeGpu | None", node: "FakeNode") -> None:
+    """A GPU reset (with a gpu) or a node repair (without): back to the healthy baseline."""
+    gpus = [gpu] if gpu is not None else state.gpus
+    for g in gpus:
+        g.lost, g.nvml_visible, g.nvml_hang_s = False, True, 0.0
+        g.pcie_gen, g.pcie_width = g.pcie_max_gen, g.pcie_max_width
+        g.nvlinks_down = []
+        g.remap_pending = False
+    if gpu is None:
+        state.driver_loaded, state.smi_hang_s, state.nccl_busbw_factor = True, 0.0, 1.0
+
+
+FAULT_KINDS: dict[str, FaultKind] = {k.name: k for k in (
+    FaultKind("xid", True, {"code": int, "message": str, "pid": int}, ("code",), _xid,
+              "an XID: kernel log line and NVML event; 79 also makes the GPU lost"),
+    FaultKind("pcie", True, {"width": int, "gen": int}, (), _pcie,
+              "the PCIe link retrains at this width and/or generation"),
+    FaultKind("nvml_invisible", True, {}, (), _set("nvml_visible", None, False),
+              "on the PCI bus, but NVML and nvidia-smi do not enumerate it"),
+    FaultKind("lost", True, {}, (), _set("lost", None, True),
+              "NVML answers GPU_IS_LOST for it, with no kernel line"),
+    FaultKind("nvml_hang", True, {"seconds": float}, ("seconds",), _set("nvml_hang_s", "seconds"),
+              "NVML calls on this GPU block for this long"),
+    FaultKind("smi_hang", False, {"seconds": float}, ("seconds",), _set("smi_hang_s", "seconds"),
+              "nvidia-smi blocks for this long"),
+    FaultKind("driver_unloaded", False, {}, (), _set("driver_loaded", None, False),
+              "the kernel driver is gone: nvmlInit fails, nvidia-smi cannot talk to it"),
+    FaultKind("nvlink_down", True, {"link": int}, ("link",), _nvlink_down,
+              "one NVLink goes inactive (NCCL bandwidth halves)"),
+    FaultKind("ecc", True, {"corrected": int, "uncorrected": int}, (), _ecc,
+              "add to the volatile ECC error counters"),
+    FaultKind("temperature", True, {"celsius": int}, ("celsius",), _set("temperature_c", "celsius"),
+              "the GPU's temperature"),
+    FaultKind("busy", True, {"utilization": int, "pid": int, "memory_mib": int}, (), _busy,
+              "a compute process runs on the GPU"),
+    FaultKind("idle", True, {}, (), _idle, "no process on the GPU"),
+    FaultKind("nccl_degraded", False, {"factor": float}, ("factor",), _set("nccl_busbw_factor", "factor"),
+              "NCCL all-reduce bus bandwidth scaled by this factor"),
+    FaultKind("kernel_line", False, {"message": str, "priority": int}, ("message",), _kernel_line,
+              "an arbitrary kernel log line (SXid lines, noise)"),
+    FaultKind("recover", False, {}, (), _recover,
+              "reset a GPU (with gpu) or repair the node (without) back to healthy"),
+)}

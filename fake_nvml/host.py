@@ -1,0 +1,54 @@
+"""Bind a FakeNode to the detector's backends: fake NVML, fake nvidia-smi, fake PCI bus."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pynvml
+
+from detector.backends.pci import SysfsPciBus
+from detector.backends.smi import SmiOutcome, SubprocessSmi
+from detector.core.inventory import nvml_error_name
+from detector.core.sweep import Host
+from fake_nvml.node import FakeNode
+from fake_nvml.nvml import FakeNvml
+from fake_nvml.pci import FakePciBus
+from fake_nvml.smi import run_smi
+
+
+class InProcessSmi:
+    """fake nvidia-smi without a process: what a fleet of thousands of fake nodes needs."""
+
+    def __init__(self, node: FakeNode, sleep=time.sleep):
+        self.node = node
+        self._sleep = sleep
+
+    def run(self, args: list[str], timeout_s: float) -> SmiOutcome:
+        state = self.node.snapshot()
+        if state.smi_hang_s > 0:
+            self._sleep(min(state.smi_hang_s, timeout_s))
+            if state.smi_hang_s >= timeout_s:
+                return SmiOutcome("timeout", detail=f"nvidia-smi did not finish within {timeout_s:g}s")
+        result = run_smi(state, args)
+        return SmiOutcome("ok", result.returncode, result.stdout, result.stderr)
+
+
+def fake_host(node: FakeNode, *, sysfs_root: Path | None = None, smi_command: list[str] | None = None,
+              smi_env: dict[str, str] | None = None, threaded: bool = True) -> Host:
+    """A Host whose every backend reads `node`. `sysfs_root`/`smi_command` swap in the real readers
+    (over a written-out tree, or a fake-nvidia-smi process) to exercise them end to end."""
+    nvml = FakeNvml(node)
+    init_error = None
+    try:
+        nvml.nvmlInit()
+    except pynvml.NVMLError as e:
+        init_error = nvml_error_name(e)
+    smi = SubprocessSmi(smi_command, smi_env) if smi_command else InProcessSmi(node)
+    pci = SysfsPciBus(sysfs_root) if sysfs_root else FakePciBus(node)
+
+    def close() -> None:
+        if init_error is None:
+            nvml.nvmlShutdown()
+
+    return Host(node.name, nvml, smi, pci, nvml_init_error=init_error, threaded=threaded, close=close)

@@ -1,0 +1,48 @@
+"""GPU models the fake node can impersonate: the static facts NVML would report."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class GpuModel:
+    """What a GPU model is, independent of any one card's state."""
+
+    key: str
+    name: str                  # nvmlDeviceGetName
+    pci_device_id: int         # 0xDDDD10DE as NVML reports pciDeviceId
+    memory_mib: int
+    pcie_max_gen: int
+    pcie_max_width: int
+    nvlink_links: int          # 0: NVLink state raises NotSupported
+    ecc: bool                  # False: ECC queries raise NotSupported
+    row_remapping: bool
+    mig: bool
+    power_limit_w: int
+    temp_slowdown_c: int
+    temp_shutdown_c: int
+
+
+MODELS: dict[str, GpuModel] = {
+    m.key: m
+    for m in (
+        GpuModel("h100-sxm5-80gb", "NVIDIA H100 80GB HBM3", 0x233010DE, 81559, 5, 16, 18,
+                 True, True, True, 700, 87, 92),
+        GpuModel("h200-sxm-141gb", "NVIDIA H200", 0x233510DE, 143771, 5, 16, 18,
+                 True, True, True, 700, 87, 92),
+        GpuModel("a100-sxm4-80gb", "NVIDIA A100-SXM4-80GB", 0x20B210DE, 81920, 4, 16, 12,
+                 True, True, True, 400, 89, 92),
+        GpuModel("a100-pcie-40gb", "NVIDIA A100-PCIE-40GB", 0x20F110DE, 40960, 4, 16, 0,
+                 True, True, True, 250, 89, 92),
+        GpuModel("rtx-4090", "NVIDIA GeForce RTX 4090", 0x268410DE, 24564, 4, 16, 0,
+                 False, False, False, 450, 90, 95),
+    )
+}
+
+
+def model_by_key(key: str) -> GpuModel:
+    try:
+        return MODELS[key]
+    except KeyError:
+        raise ValueError(f"unknown GPU model {key!r} (known: {', '.join(sorted(MODELS))})") from None

@@ -1,0 +1,225 @@
+"""One fake GPU node: the single source of truth behind the fake NVML, fake nvidia-smi, fake PCI bus
+and fake kernel log, so a fault injected once is seen the same way by every source."""
+
+from __future__ import annotations
+
+import copy
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable
+
+from fake_nvml.faults import Fault
+from fake_nvml.models import GpuModel, model_by_key
+
+Clock = Callable[[], float]
+
+
+@dataclass
+class FakeGpu:
+    """One GPU's state. `index` is its position in PCI bus order (what NVML calls it when all are visible)."""
+
+    index: int
+    model: GpuModel
+    uuid: str
+    serial: str
+    pci_bus_id: str                 # canonical 0000:bb:dd.f
+    minor: int
+    pcie_gen: int                   # current link generation
+    pcie_width: int                 # current link width
+    pcie_max_gen: int               # max possible with this device and system
+    pcie_max_width: int
+    pcie_replays: int = 0
+    temperature_c: int = 33
+    power_mw: int = 72_000
+    utilization_pct: int = 0
+    memory_used_mib: int = 0
+    processes: list[tuple[int, int]] = field(default_factory=list)   # (pid, used MiB)
+    ecc_corrected: int = 0
+    ecc_uncorrected: int = 0
+    remapped_corrected: int = 0
+    remapped_uncorrected: int = 0
+    remap_pending: bool = False
+    remap_failure: bool = False
+    nvlinks_down: list[int] = field(default_factory=list)
+    persistence_mode: bool = True
+    # Fault state.
+    lost: bool = False               # NVML raises GPU_IS_LOST for this GPU
+    nvml_visible: bool = True        # False: on the PCI bus, but the driver never attached
+    nvml_hang_s: float = 0.0         # NVML calls touching this GPU block this long
+
+    @property
+    def idle(self) -> bool:
+        return self.utilization_pct == 0 and not self.processes
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["model"] = self.model.key
+        d["processes"] = [list(p) for p in self.processes]
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "FakeGpu":
+        d = dict(d)
+        d["model"] = model_by_key(d["model"])
+        d["processes"] = [tuple(p) for p in d.get("processes", [])]
+        return cls(**d)
+
+
+@dataclass(frozen=True)
+class KernelRecord:
+    """A kernel log record as /dev/kmsg would give it."""
+
+    seq: int
+    usec: int          # microseconds since boot
+    priority: int      # syslog priority (facility 0 = kernel)
+    message: str
+
+
+@dataclass(frozen=True)
+class XidEvent:
+    """An XID as NVML's event API delivers it."""
+
+    seq: int
+    gpu_index: int
+    code: int
+
+
+@dataclass(frozen=True)
+class NvSwitch:
+    pci_bus_id: str
+
+
+@dataclass
+class NodeState:
+    """Everything about a node that can be serialised for another process (fake nvidia-smi)."""
+
+    name: str
+    driver_version: str
+    cuda_version: int                # as nvmlSystemGetCudaDriverVersion: 12040 for 12.4
+    gpus: list[FakeGpu]
+    nvswitches: list[NvSwitch] = field(default_factory=list)
+    driver_loaded: bool = True
+    smi_hang_s: float = 0.0
+    nccl_busbw_factor: float = 1.0   # measured NCCL bus bandwidth relative to the healthy figure
+    boot_id: str = "00000000-0000-0000-0000-000000000000"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name, "driver_version": self.driver_version, "cuda_version": self.cuda_version,
+            "gpus": [g.to_dict() for g in self.gpus],
+            "nvswitches": [s.pci_bus_id for s in self.nvswitches],
+            "driver_loaded": self.driver_loaded, "smi_hang_s": self.smi_hang_s,
+            "nccl_busbw_factor": self.nccl_busbw_factor, "boot_id": self.boot_id,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "NodeState":
+        return cls(
+            name=d["name"], driver_version=d["driver_version"], cuda_version=d["cuda_version"],
+            gpus=[FakeGpu.from_dict(g) for g in d["gpus"]],
+            nvswitches=[NvSwitch(b) for b in d.get("nvswitches", [])],
+            driver_loaded=d.get("driver_loaded", True), smi_hang_s=d.get("smi_hang_s", 0.0),
+            nccl_busbw_factor=d.get("nccl_busbw_factor", 1.0), boot_id=d.get("boot_id", ""),
+        )
+
+    def nvml_gpus(self) -> list[FakeGpu]:
+        """GPUs NVML enumerates, in its index order (PCI bus order, skipping ones the driver lacks)."""
+        return [g for g in self.gpus if g.nvml_visible]
+
+
+@dataclass(frozen=True)
+class TimedFault:
+    at_s: float
+    fault: Fault
+
+
+class FakeNode:
+    """A fake GPU node whose faults can be injected at any time, from any thread.
+
+    Holds no global state: a simulator keeps thousands of these in one process.
+    """
+
+    def __init__(self, state: NodeState, timeline: list[TimedFault] | None = None,
+                 clock: Clock = time.monotonic, on_change: Callable[["FakeNode"], None] | None = None):
+        self._state = state
+        self._lock = threading.RLock()
+        self._clock = clock
+        self._started = clock()
+        self._timeline = sorted(timeline or [], key=lambda t: t.at_s)
+        self._kernel: list[KernelRecord] = []
+        self._xids: list[XidEvent] = []
+        self._on_change = on_change
+        self.injected: list[tuple[float, Fault]] = []
+        self._apply_due()
+
+    # -- reading ---------------------------------------------------------------------------------
+
+    @property
+    def name(self) -> str:
+        return self._state.name
+
+    def snapshot(self) -> NodeState:
+        """A private copy of the current state: consistent across every field read from it."""
+        with self._lock:
+            self._apply_due()
+            return copy.deepcopy(self._state)
+
+    def read(self, fn: Callable[[NodeState], Any]) -> Any:
+        """Run `fn` against the live state under the node's lock (cheap reads without a copy)."""
+        with self._lock:
+            self._apply_due()
+            return fn(self._state)
+
+    def kernel_records(self, after_seq: int = -1) -> list[KernelRecord]:
+        with self._lock:
+            self._apply_due()
+            return [r for r in self._kernel if r.seq > after_seq]
+
+    def xid_events(self, after_seq: int = -1) -> list[XidEvent]:
+        with self._lock:
+            self._apply_due()
+            return [e for e in self._xids if e.seq > after_seq]
+
+    def uptime_usec(self) -> int:
+        return int((self._clock() - self._started) * 1e6)
+
+    # -- changing --------------------------------------------------------------------------------
+
+    def inject(self, fault: Fault) -> None:
+        """Apply a fault now. Every source (NVML, nvidia-smi, PCI, kernel log) sees it at once."""
+        with self._lock:
+            self._apply(fault)
+        if self._on_change:
+            self._on_change(self)
+
+    def _apply_due(self) -> None:
+        if not self._timeline:
+            return
+        elapsed = self._clock() - self._started
+        changed = False
+        while self._timeline and self._timeline[0].at_s <= elapsed:
+            self._apply(self._timeline.pop(0).fault)
+            changed = True
+        if changed and self._on_change:
+            self._on_change(self)
+
+    def _apply(self, fault: Fault) -> None:
+        self.injected.append((self._clock(), fault))
+        gpu = self._gpu(fault.gpu) if fault.gpu is not None else None
+        fault.apply(self._state, gpu, self)
+
+    def _gpu(self, index: int) -> FakeGpu:
+        for g in self._state.gpus:
+            if g.index == index:
+                return g
+        raise ValueError(f"node {self.name} has no GPU {index} (it has {len(self._state.gpus)})")
+
+    def log_kernel(self, message: str, priority: int = 3) -> None:
+        """Append a kernel log line (called by faults, under the lock)."""
+        seq = len(self._kernel)
+        self._kernel.append(KernelRecord(seq, self.uptime_usec(), priority, message))
+
+    def emit_xid(self, gpu: FakeGpu, code: int) -> None:
+        """Deliver an XID to NVML's event API (called by faults, under the lock)."""
+        self._xids.append(XidEvent(len(self._xids), gpu.index, code))

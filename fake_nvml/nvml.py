@@ -1,0 +1,351 @@
+"""A pynvml look-alike backed by a FakeNode.
+
+An instance offers pynvml's function names, constants, return shapes and exception classes (the very
+classes of the `pynvml` module, so `except pynvml.NVMLError_GpuIsLost` catches what the fake raises).
+Each instance is its own library: reference-counted init and shutdown, no module-level state.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import pynvml
+
+from detector.core.pciaddr import normalize_bus_id, nvml_bus_id
+from fake_nvml.node import FakeGpu, FakeNode, NodeState
+
+_MIB = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class FakeHandle:
+    """Stands where pynvml returns a c_nvmlDevice_t pointer."""
+
+    library: int        # id() of the FakeNvml that issued it
+    bus_id: str
+
+    def __repr__(self) -> str:
+        return f"<FakeHandle {self.bus_id}>"
+
+
+@dataclass
+class FakeEventData:
+    """Shape of pynvml.c_nvmlEventData_t."""
+
+    device: FakeHandle
+    eventType: int
+    eventData: int
+    gpuInstanceId: int = 0xFFFFFFFF
+    computeInstanceId: int = 0xFFFFFFFF
+
+
+@dataclass
+class _EventSet:
+    registered: dict[str, int]      # bus id -> event mask
+    next_seq: int
+
+
+def _error(code: int) -> pynvml.NVMLError:
+    return pynvml.NVMLError(code)
+
+
+class FakeNvml:
+    """Call it exactly as you would call the `pynvml` module."""
+
+    def __init__(self, node: FakeNode):
+        self.node = node
+        self._refcount = 0
+        self._lock = threading.Lock()
+        self._event_sets: dict[int, _EventSet] = {}
+
+    # Constants, NVMLError classes and helpers come straight from pynvml. A pynvml function this fake
+    # does not implement behaves like a symbol missing from an old driver: FunctionNotFound.
+    def __getattr__(self, name: str) -> Any:
+        real = getattr(pynvml, name)
+        if callable(real) and name.startswith("nvml") and not isinstance(real, type) \
+                and not name.startswith("nvmlEventType") and name != "nvmlExceptionClass":
+            def missing(*args: Any, **kwargs: Any) -> Any:
+                raise _error(pynvml.NVML_ERROR_FUNCTION_NOT_FOUND)
+            missing.__name__ = name
+            return missing
+        return real
+
+    # -- library ---------------------------------------------------------------------------------
+
+    def nvmlInit(self) -> None:
+        self.nvmlInitWithFlags(0)
+
+    def nvmlInitWithFlags(self, flags: int) -> None:
+        if not self.node.read(lambda s: s.driver_loaded):
+            raise _error(pynvml.NVML_ERROR_DRIVER_NOT_LOADED)
+        with self._lock:
+            self._refcount += 1
+
+    def nvmlShutdown(self) -> None:
+        with self._lock:
+            if self._refcount == 0:
+                raise _error(pynvml.NVML_ERROR_UNINITIALIZED)
+            self._refcount -= 1
+
+    def nvmlErrorString(self, result: int) -> str:
+        return str(_error(result))
+
+    def _state(self) -> NodeState:
+        if self._refcount == 0:
+            raise _error(pynvml.NVML_ERROR_UNINITIALIZED)
+        return self.node.read(lambda state: state)     # live state: attribute reads need no copy
+
+    def nvmlSystemGetDriverVersion(self) -> str:
+        return self._state().driver_version
+
+    def nvmlSystemGetNVMLVersion(self) -> str:
+        return "12." + self._state().driver_version
+
+    def nvmlSystemGetCudaDriverVersion(self) -> int:
+        return self._state().cuda_version
+
+    nvmlSystemGetCudaDriverVersion_v2 = nvmlSystemGetCudaDriverVersion
+
+    # -- handles ---------------------------------------------------------------------------------
+
+    def nvmlDeviceGetCount(self) -> int:
+        state = self._state()
+        if not state.driver_loaded:
+            raise _error(pynvml.NVML_ERROR_DRIVER_NOT_LOADED)
+        return len(state.nvml_gpus())
+
+    def _handle(self, gpu: FakeGpu) -> FakeHandle:
+        self._wait_if_hung(gpu)
+        if gpu.lost:
+            raise _error(pynvml.NVML_ERROR_GPU_IS_LOST)
+        return FakeHandle(id(self), gpu.pci_bus_id)
+
+    def nvmlDeviceGetHandleByIndex(self, index: int) -> FakeHandle:
+        gpus = self._state().nvml_gpus()
+        if not isinstance(index, int) or not 0 <= index < len(gpus):
+            raise _error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        return self._handle(gpus[index])
+
+    def nvmlDeviceGetHandleByUUID(self, uuid: str) -> FakeHandle:
+        for gpu in self._state().nvml_gpus():
+            if gpu.uuid == uuid:
+                return self._handle(gpu)
+        raise _error(pynvml.NVML_ERROR_NOT_FOUND)
+
+    def nvmlDeviceGetHandleByPciBusId(self, bus_id: str) -> FakeHandle:
+        try:
+            wanted = normalize_bus_id(bus_id)
+        except ValueError:
+            raise _error(pynvml.NVML_ERROR_INVALID_ARGUMENT) from None
+        for gpu in self._state().nvml_gpus():
+            if gpu.pci_bus_id == wanted:
+                return self._handle(gpu)
+        raise _error(pynvml.NVML_ERROR_NOT_FOUND)
+
+    def _device(self, handle: Any) -> FakeGpu:
+        """The GPU behind a handle, after the checks the driver makes on every device call."""
+        state = self._state()
+        if not isinstance(handle, FakeHandle) or handle.library != id(self):
+            raise _error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        for gpu in state.nvml_gpus():
+            if gpu.pci_bus_id == handle.bus_id:
+                self._wait_if_hung(gpu)
+                if gpu.lost:
+                    raise _error(pynvml.NVML_ERROR_GPU_IS_LOST)
+                return gpu
+        raise _error(pynvml.NVML_ERROR_GPU_IS_LOST)
+
+    def _wait_if_hung(self, gpu: FakeGpu) -> None:
+        if gpu.nvml_hang_s > 0:
+            time.sleep(gpu.nvml_hang_s)      # a wedged GPU: the call blocks, like the real ioctl
+
+    # -- identity --------------------------------------------------------------------------------
+
+    def nvmlDeviceGetName(self, handle: Any) -> str:
+        return self._device(handle).model.name
+
+    def nvmlDeviceGetUUID(self, handle: Any) -> str:
+        return self._device(handle).uuid
+
+    def nvmlDeviceGetSerial(self, handle: Any) -> str:
+        return self._device(handle).serial
+
+    def nvmlDeviceGetIndex(self, handle: Any) -> int:
+        gpu = self._device(handle)
+        return [g.pci_bus_id for g in self._state().nvml_gpus()].index(gpu.pci_bus_id)
+
+    def nvmlDeviceGetMinorNumber(self, handle: Any) -> int:
+        return self._device(handle).minor
+
+    def nvmlDeviceGetPciInfo(self, handle: Any) -> pynvml.nvmlPciInfo_t:
+        gpu = self._device(handle)
+        info = pynvml.nvmlPciInfo_t()
+        domain, bus, dev_fn = gpu.pci_bus_id.split(":")
+        info.busId = nvml_bus_id(gpu.pci_bus_id).encode()
+        info.busIdLegacy = nvml_bus_id(gpu.pci_bus_id)[4:].encode()
+        info.domain, info.bus, info.device = int(domain, 16), int(bus, 16), int(dev_fn.split(".")[0], 16)
+        info.pciDeviceId = gpu.model.pci_device_id
+        info.pciSubSystemId = 0x16C110DE
+        return info
+
+    nvmlDeviceGetPciInfo_v3 = nvmlDeviceGetPciInfo
+
+    # -- PCIe ------------------------------------------------------------------------------------
+
+    def nvmlDeviceGetCurrPcieLinkWidth(self, handle: Any) -> int:
+        return self._device(handle).pcie_width
+
+    def nvmlDeviceGetMaxPcieLinkWidth(self, handle: Any) -> int:
+        return self._device(handle).pcie_max_width
+
+    def nvmlDeviceGetCurrPcieLinkGeneration(self, handle: Any) -> int:
+        return self._device(handle).pcie_gen
+
+    def nvmlDeviceGetMaxPcieLinkGeneration(self, handle: Any) -> int:
+        return self._device(handle).pcie_max_gen
+
+    def nvmlDeviceGetGpuMaxPcieLinkGeneration(self, handle: Any) -> int:
+        return self._device(handle).model.pcie_max_gen
+
+    def nvmlDeviceGetPcieReplayCounter(self, handle: Any) -> int:
+        return self._device(handle).pcie_replays
+
+    # -- health ----------------------------------------------------------------------------------
+
+    def nvmlDeviceGetTemperature(self, handle: Any, sensor: int) -> int:
+        gpu = self._device(handle)
+        if sensor != pynvml.NVML_TEMPERATURE_GPU:
+            raise _error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        return gpu.temperature_c
+
+    def nvmlDeviceGetTemperatureThreshold(self, handle: Any, threshold: int) -> int:
+        gpu = self._device(handle)
+        if threshold == pynvml.NVML_TEMPERATURE_THRESHOLD_SHUTDOWN:
+            return gpu.model.temp_shutdown_c
+        if threshold == pynvml.NVML_TEMPERATURE_THRESHOLD_SLOWDOWN:
+            return gpu.model.temp_slowdown_c
+        raise _error(pynvml.NVML_ERROR_NOT_SUPPORTED)
+
+    def nvmlDeviceGetPowerUsage(self, handle: Any) -> int:
+        return self._device(handle).power_mw
+
+    def nvmlDeviceGetPowerManagementLimit(self, handle: Any) -> int:
+        return self._device(handle).model.power_limit_w * 1000
+
+    def nvmlDeviceGetCurrentClocksEventReasons(self, handle: Any) -> int:
+        gpu = self._device(handle)
+        reasons = pynvml.nvmlClocksEventReasonGpuIdle if gpu.idle else 0
+        if gpu.temperature_c >= gpu.model.temp_slowdown_c:
+            reasons |= pynvml.nvmlClocksEventReasonHwThermalSlowdown
+        return reasons
+
+    nvmlDeviceGetCurrentClocksThrottleReasons = nvmlDeviceGetCurrentClocksEventReasons
+
+    def nvmlDeviceGetUtilizationRates(self, handle: Any) -> pynvml.c_nvmlUtilization_t:
+        gpu = self._device(handle)
+        return pynvml.c_nvmlUtilization_t(gpu=gpu.utilization_pct, memory=gpu.utilization_pct // 2)
+
+    def nvmlDeviceGetMemoryInfo(self, handle: Any, version: Any = None) -> pynvml.c_nvmlMemory_t:
+        gpu = self._device(handle)
+        total, used = gpu.model.memory_mib * _MIB, gpu.memory_used_mib * _MIB
+        return pynvml.c_nvmlMemory_t(total=total, free=total - used, used=used)
+
+    def nvmlDeviceGetComputeRunningProcesses(self, handle: Any) -> list[Any]:
+        gpu = self._device(handle)
+        procs = []
+        for pid, used_mib in gpu.processes:
+            obj = pynvml.nvmlFriendlyObject({"pid": pid, "usedGpuMemory": used_mib * _MIB,
+                                             "gpuInstanceId": 0xFFFFFFFF, "computeInstanceId": 0xFFFFFFFF})
+            procs.append(obj)
+        return procs
+
+    def nvmlDeviceGetPersistenceMode(self, handle: Any) -> int:
+        return pynvml.NVML_FEATURE_ENABLED if self._device(handle).persistence_mode else pynvml.NVML_FEATURE_DISABLED
+
+    def nvmlDeviceGetMigMode(self, handle: Any) -> list[int]:
+        gpu = self._device(handle)
+        if not gpu.model.mig:
+            raise _error(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        return [pynvml.NVML_DEVICE_MIG_DISABLE, pynvml.NVML_DEVICE_MIG_DISABLE]
+
+    def nvmlDeviceGetEccMode(self, handle: Any) -> list[int]:
+        gpu = self._device(handle)
+        if not gpu.model.ecc:
+            raise _error(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        return [pynvml.NVML_FEATURE_ENABLED, pynvml.NVML_FEATURE_ENABLED]
+
+    def nvmlDeviceGetTotalEccErrors(self, handle: Any, error_type: int, counter_type: int) -> int:
+        gpu = self._device(handle)
+        if not gpu.model.ecc:
+            raise _error(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        if error_type not in (0, 1) or counter_type not in (0, 1):
+            raise _error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        return gpu.ecc_corrected if error_type == pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED else gpu.ecc_uncorrected
+
+    def nvmlDeviceGetRemappedRows(self, handle: Any) -> tuple[int, int, int, int]:
+        gpu = self._device(handle)
+        if not gpu.model.row_remapping:
+            raise _error(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        return (gpu.remapped_corrected, gpu.remapped_uncorrected, int(gpu.remap_pending), int(gpu.remap_failure))
+
+    def nvmlDeviceGetNvLinkState(self, handle: Any, link: int) -> int:
+        gpu = self._device(handle)
+        if gpu.model.nvlink_links == 0:
+            raise _error(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        if not 0 <= link < pynvml.NVML_NVLINK_MAX_LINKS:
+            raise _error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        if link >= gpu.model.nvlink_links:
+            raise _error(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        return pynvml.NVML_FEATURE_DISABLED if link in gpu.nvlinks_down else pynvml.NVML_FEATURE_ENABLED
+
+    # -- events ----------------------------------------------------------------------------------
+
+    def nvmlEventSetCreate(self) -> int:
+        self._state()
+        with self._lock:
+            key = len(self._event_sets) + 1
+            self._event_sets[key] = _EventSet({}, len(self.node.xid_events()))
+        return key
+
+    def nvmlDeviceGetSupportedEventTypes(self, handle: Any) -> int:
+        self._device(handle)
+        return (pynvml.nvmlEventTypeXidCriticalError | pynvml.nvmlEventTypeSingleBitEccError
+                | pynvml.nvmlEventTypeDoubleBitEccError | pynvml.nvmlEventTypePState
+                | pynvml.nvmlEventTypeClock)
+
+    def nvmlDeviceRegisterEvents(self, handle: Any, event_types: int, event_set: int) -> None:
+        gpu = self._device(handle)
+        self._event_set(event_set).registered[gpu.pci_bus_id] = event_types
+
+    def nvmlEventSetWait_v2(self, event_set: int, timeout_ms: int) -> FakeEventData:
+        deadline = time.monotonic() + timeout_ms / 1000
+        es = self._event_set(event_set)
+        while True:
+            state = self._state()
+            by_index = {g.index: g for g in state.gpus}
+            for event in self.node.xid_events(after_seq=es.next_seq - 1):
+                es.next_seq = event.seq + 1
+                gpu = by_index[event.gpu_index]
+                if es.registered.get(gpu.pci_bus_id, 0) & pynvml.nvmlEventTypeXidCriticalError:
+                    return FakeEventData(FakeHandle(id(self), gpu.pci_bus_id),
+                                         pynvml.nvmlEventTypeXidCriticalError, event.code)
+            if time.monotonic() >= deadline:
+                raise _error(pynvml.NVML_ERROR_TIMEOUT)
+            time.sleep(min(0.01, max(0.0, deadline - time.monotonic())))
+
+    nvmlEventSetWait = nvmlEventSetWait_v2
+
+    def nvmlEventSetFree(self, event_set: int) -> None:
+        with self._lock:
+            if self._event_sets.pop(event_set, None) is None:
+                raise _error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+
+    def _event_set(self, key: Any) -> _EventSet:
+        self._state()
+        es = self._event_sets.get(key) if isinstance(key, int) else None
+        if es is None:
+            raise _error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        return es

@@ -1,0 +1,1 @@
+"""Rules: what observations mean. Versioned YAML files, validated on load; they know nothing of NVML."""

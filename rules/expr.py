@@ -1,0 +1,104 @@
+"""`when:` predicates, such as `current_width < max_width and not idle`.
+
+Parsed with Python's own `ast` and compiled from a small whitelist (comparisons, and/or/not,
+arithmetic, literals, field names): nothing from a rule file is ever executed as code.
+"""
+
+from __future__ import annotations
+
+import ast
+import operator
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+Fields = Mapping[str, Any]
+_Fn = Callable[[Fields], Any]
+
+_COMPARE: dict[type, Callable[[Any, Any], bool]] = {
+    ast.Eq: operator.eq, ast.NotEq: operator.ne, ast.Lt: operator.lt, ast.LtE: operator.le,
+    ast.Gt: operator.gt, ast.GtE: operator.ge,
+    ast.In: lambda a, b: a in b, ast.NotIn: lambda a, b: a not in b,
+}
+_ARITH: dict[type, Callable[[Any, Any], Any]] = {
+    ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
+    ast.Mod: operator.mod,
+}
+_CONSTANT_NAMES = {"true": True, "false": False, "null": None, "none": None}
+
+
+class ExpressionError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class Predicate:
+    source: str
+    names: frozenset[str]
+    _fn: _Fn
+
+    def __call__(self, fields: Fields) -> bool:
+        """True when the observation matches. Missing fields or mismatched types never match."""
+        try:
+            return bool(self._fn(fields))
+        except (TypeError, ZeroDivisionError, KeyError):
+            return False
+
+
+def compile_predicate(source: str) -> Predicate:
+    try:
+        tree = ast.parse(source.strip(), mode="eval")
+    except SyntaxError as e:
+        raise ExpressionError(f"not a valid expression: {e.msg} at column {e.offset}") from None
+    names: set[str] = set()
+    return Predicate(source, frozenset(names), _compile(tree.body, names))
+
+
+def _compile(node: ast.AST, names: set[str]) -> _Fn:
+    if isinstance(node, ast.BoolOp):
+        parts = [_compile(v, names) for v in node.values]
+        if isinstance(node.op, ast.And):
+            return lambda f: all(p(f) for p in parts)
+        return lambda f: any(p(f) for p in parts)
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.Not, ast.USub)):
+        inner = _compile(node.operand, names)
+        if isinstance(node.op, ast.Not):
+            return lambda f: not inner(f)
+        return lambda f: -inner(f)
+    if isinstance(node, ast.Compare):
+        return _compare(node, names)
+    if isinstance(node, ast.BinOp) and type(node.op) in _ARITH:
+        op, left, right = _ARITH[type(node.op)], _compile(node.left, names), _compile(node.right, names)
+        return lambda f: op(left(f), right(f))
+    if isinstance(node, ast.Name):
+        if node.id.lower() in _CONSTANT_NAMES:
+            value = _CONSTANT_NAMES[node.id.lower()]
+            return lambda f: value
+        names.add(node.id)
+        key = node.id
+        return lambda f: f[key]
+    if isinstance(node, ast.Constant) and isinstance(node.value, (str, int, float, bool, type(None))):
+        value = node.value
+        return lambda f: value
+    if isinstance(node, (ast.List, ast.Tuple, ast.Set)):
+        items = [_compile(e, names) for e in node.elts]
+        return lambda f: [i(f) for i in items]
+    raise ExpressionError(f"'{ast.unparse(node)}' is not allowed here: use field names, literals, "
+                          "comparisons (== != < <= > >= in), and/or/not and + - * / %")
+
+
+def _compare(node: ast.Compare, names: set[str]) -> _Fn:
+    left = _compile(node.left, names)
+    steps = [(_COMPARE[type(op)], _compile(right, names)) for op, right in zip(node.ops, node.comparators)
+             if type(op) in _COMPARE]
+    if len(steps) != len(node.ops):
+        raise ExpressionError("'is' and 'is not' are not allowed: use == and !=")
+
+    def fn(f: Fields) -> bool:
+        a = left(f)
+        for op, right in steps:
+            b = right(f)
+            if not op(a, b):
+                return False
+            a = b
+        return True
+    return fn

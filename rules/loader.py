@@ -1,0 +1,150 @@
+"""Rule files: load, validate, and report every mistake with file, line and field.
+
+Format (version 1):
+
+    version: 1
+    rules:
+      - name: pcie-width-degraded          # unique, lower-case-with-dashes
+        check: pcie                        # a check name, a list of them, or "*"
+        when: current_width < max_width    # a predicate over the check's fields
+        type: GpuPcieDegraded              # the NodeCondition type (CamelCase)
+        reason: PcieLinkWidthDegraded      # CamelCase
+        severity: warning                  # info | warning | critical
+        action: RESET_GPU                  # see detector.core.types.ACTIONS
+        message: "link trained at x{current_width}, expected x{max_width}"
+        report: condition                  # condition (default) | event
+        description: optional free text
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Mapping
+
+from detector.core.types import ACTIONS, Severity
+from detector.rules.expr import ExpressionError, compile_predicate
+from detector.rules.model import Rule, template_names
+from detector.yamlsource import MappingReader, SourceError, load_yaml
+
+SUPPORTED_VERSIONS = {1}
+KUBELET_CONDITIONS = {"Ready", "MemoryPressure", "DiskPressure", "PIDPressure", "NetworkUnavailable"}
+_NAME = re.compile(r"^[a-z0-9][a-z0-9-]*$")
+_CAMEL = re.compile(r"^[A-Z][A-Za-z0-9]*$")
+_RULE_FIELDS = {"name", "check", "when", "type", "reason", "severity", "action", "report", "message",
+                "description"}
+
+
+@dataclass(frozen=True)
+class RuleSet:
+    rules: list[Rule]
+    files: list[str]
+
+    def types(self) -> set[str]:
+        return {r.type for r in self.rules if r.report == "condition"}
+
+
+def rule_files(paths: Iterable[Path]) -> list[Path]:
+    """Expand directories into their *.yaml / *.yml files, in name order."""
+    files: list[Path] = []
+    for path in paths:
+        if path.is_dir():
+            files.extend(sorted(p for p in path.iterdir() if p.suffix in (".yaml", ".yml")))
+        elif path.exists():
+            files.append(path)
+        else:
+            raise SourceError(str(path), None, None, "no such rule file or directory")
+    return files
+
+
+def load_rules(paths: Iterable[Path], known_fields: Mapping[str, set[str]] | None = None) -> RuleSet:
+    """Load and validate rule files. `known_fields` (check -> its fields) enables name checking."""
+    files = rule_files(paths)
+    rules: list[Rule] = []
+    seen: dict[str, Rule] = {}
+    for path in files:
+        for rule in _load_file(path, known_fields):
+            if rule.name in seen:
+                first = seen[rule.name]
+                raise SourceError(rule.file, rule.line, "name",
+                                  f"rule {rule.name!r} is already defined at {first.file}:{first.line}")
+            seen[rule.name] = rule
+            rules.append(rule)
+    return RuleSet(rules, [str(f) for f in files])
+
+
+def _load_file(path: Path, known_fields: Mapping[str, set[str]] | None) -> list[Rule]:
+    doc = load_yaml(path)
+    if doc.data is None:
+        raise SourceError(doc.file, None, None, "empty rule file: expected 'version: 1' and 'rules:'")
+    top = MappingReader(doc.file, doc.data, "")
+    top.reject_unknown({"version", "rules"})
+    version = top.get("version", int)
+    if version not in SUPPORTED_VERSIONS:
+        raise top.error("version", f"unsupported version {version}; this gpu-npd reads version "
+                        f"{', '.join(map(str, sorted(SUPPORTED_VERSIONS)))}")
+    return [_rule(MappingReader(doc.file, item, field, line), known_fields)
+            for field, line, item in top.items("rules")]
+
+
+def _rule(r: MappingReader, known_fields: Mapping[str, set[str]] | None) -> Rule:
+    r.reject_unknown(_RULE_FIELDS)
+    name = r.get("name", str)
+    if not _NAME.match(name):
+        raise r.error("name", f"{name!r}: use lower-case letters, digits and dashes")
+    checks = _checks(r, known_fields)
+    when_text = r.get("when", str)
+    try:
+        when = compile_predicate(when_text)
+    except ExpressionError as e:
+        raise r.error("when", str(e)) from None
+    allowed = _allowed_fields(checks, known_fields)
+    if allowed is not None:
+        for field_name, used in (("when", when.names), ("message", template_names(r.get("message", str)))):
+            unknown = sorted(used - allowed)
+            if unknown:
+                raise r.error(field_name, f"unknown field {unknown[0]!r} for check "
+                              f"{_describe(checks)} (known: {', '.join(sorted(allowed))})")
+    type_ = _camel(r, "type")
+    if type_ in KUBELET_CONDITIONS:
+        raise r.error("type", f"{type_!r} belongs to the kubelet; gpu-npd never writes it")
+    action = r.choice("action", set(ACTIONS))
+    return Rule(
+        name=name, checks=checks, when=when, type=type_, reason=_camel(r, "reason"),
+        severity=Severity(r.choice("severity", {s.value for s in Severity})), action=action,
+        report=r.choice("report", {"condition", "event"}, "condition"), message=r.get("message", str),
+        description=r.get("description", str, ""), file=r.file, line=r.data.line if hasattr(r.data, "line") else 0,
+    )
+
+
+def _checks(r: MappingReader, known_fields: Mapping[str, set[str]] | None) -> frozenset[str] | None:
+    value = r.get("check", (str, list))
+    names = [value] if isinstance(value, str) else value
+    if names == ["*"]:
+        return None
+    for n in names:
+        if not isinstance(n, str):
+            raise r.error("check", f"expected check names, got {n!r}")
+        if known_fields is not None and n not in known_fields:
+            raise r.error("check", f"no check named {n!r} (available: {', '.join(sorted(known_fields))})")
+    return frozenset(names)
+
+
+def _allowed_fields(checks: frozenset[str] | None, known_fields: Mapping[str, set[str]] | None) -> set[str] | None:
+    if known_fields is None:
+        return None
+    if checks is None:      # any check: only the fields every check has
+        return set.intersection(*known_fields.values()) if known_fields else set()
+    return set().union(*(known_fields[c] for c in checks))
+
+
+def _camel(r: MappingReader, key: str) -> str:
+    value = r.get(key, str)
+    if not _CAMEL.match(value):
+        raise r.error(key, f"{value!r}: expected CamelCase, like GpuPcieDegraded")
+    return value
+
+
+def _describe(checks: frozenset[str] | None) -> str:
+    return "'*'" if checks is None else ", ".join(repr(c) for c in sorted(checks))

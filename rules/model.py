@@ -1,0 +1,86 @@
+"""A loaded rule and how it turns matching observations into one Problem."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+from detector.core.types import ACTIONS, GpuRef, Observation, Problem, Severity
+from detector.rules.expr import Predicate
+
+MESSAGE_LIMIT = 1024           # Kubernetes shows condition messages whole; peers cap them at 1,024
+_PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
+
+
+def template_names(template: str) -> set[str]:
+    return set(_PLACEHOLDER.findall(template))
+
+
+def render(template: str, fields: Mapping[str, Any]) -> str:
+    """Substitute `{field}`; plain names only, so a template can never reach into objects."""
+    return _PLACEHOLDER.sub(lambda m: _show(fields.get(m.group(1))), template)
+
+
+def _show(value: Any) -> str:
+    if value is None:
+        return "unknown"
+    if value == "":
+        return "none"
+    if isinstance(value, float):
+        return f"{value:g}"
+    return str(value)
+
+
+@dataclass(frozen=True)
+class Rule:
+    name: str
+    checks: frozenset[str] | None       # None: observations of any check
+    when: Predicate
+    type: str
+    reason: str
+    severity: Severity
+    action: str
+    report: str                         # "condition" or "event"
+    message: str
+    description: str
+    file: str
+    line: int
+
+    def applies_to(self, check: str) -> bool:
+        return self.checks is None or check in self.checks
+
+    def problem(self, hits: Sequence[Observation]) -> Problem:
+        """One problem for all of this rule's hits in a sweep: one condition, many GPUs."""
+        gpus: list[GpuRef] = []
+        parts: list[str] = []
+        for obs in hits:
+            text = render(self.message, obs.fields)
+            if obs.gpu is not None:
+                text = f"{obs.gpu.label()}: {text}"
+                if obs.gpu not in gpus:
+                    gpus.append(obs.gpu)
+            if text not in parts:
+                parts.append(text)
+        return Problem(
+            rule=self.name, check=hits[0].check, type=self.type, reason=self.reason,
+            message=compose_message(parts, self.action), severity=self.severity, action=self.action,
+            report=self.report, gpus=tuple(gpus), time=max(o.time for o in hits),
+        )
+
+
+def compose_message(parts: Sequence[str], action: str) -> str:
+    """Join findings and end with the recommended action, within MESSAGE_LIMIT characters."""
+    suffix = f" Recommended action: {action} ({ACTIONS[action]})." if action not in ("NONE", "IGNORE") else ""
+    budget = MESSAGE_LIMIT - len(suffix)
+    body = ""
+    for i, part in enumerate(parts):
+        candidate = part if not body else f"{body}; {part}"
+        more = f" (+{len(parts) - i} more)"
+        if len(candidate) + (len(more) if i < len(parts) - 1 else 0) > budget:
+            body = (body or part[: budget - len(more) - 1]) + more
+            break
+        body = candidate
+    if not body.endswith("."):
+        body += "."
+    return (body + suffix)[:MESSAGE_LIMIT]

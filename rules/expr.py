@@ -50,7 +50,8 @@ def compile_predicate(source: str) -> Predicate:
     except SyntaxError as e:
         raise ExpressionError(f"not a valid expression: {e.msg} at column {e.offset}") from None
     names: set[str] = set()
-    return Predicate(source, frozenset(names), _compile(tree.body, names))
+    fn = _compile(tree.body, names)
+    return Predicate(source, frozenset(names), fn)
 
 
 def _compile(node: ast.AST, names: set[str]) -> _Fn:

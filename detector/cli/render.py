@@ -39,11 +39,17 @@ def render_table(d: Diagnosis) -> str:
     if inv.nvml_error:
         lines.append(f"NVML unusable: {inv.nvml_error}")
     rows = [("GPU", "NAME", "BUS ID", "UUID", "PCIE", "STATE")]
+    reasons: dict[int, list[str]] = {}
+    for p in d.problems:
+        for ref in p.gpus:
+            if ref.index is not None and p.reason not in reasons.setdefault(ref.index, []):
+                reasons[ref.index].append(p.reason)
     for g in inv.gpus:
         link = "-"
         if g.pcie and g.pcie.current_width:
             link = f"Gen{g.pcie.current_gen} x{g.pcie.current_width}/x{g.pcie.max_width}"
-        rows.append((str(g.index), g.name or "-", g.pci_bus_id or "-", g.uuid or "-", link, g.error or "ok"))
+        rows.append((str(g.index), g.name or "-", g.pci_bus_id or "-", g.uuid or "-", link,
+                     ",".join(reasons.get(g.index, [])) or g.error or "ok"))
     if inv.gpus:
         lines += ["", *_columns(rows)]
     lines += ["", "checks: " + ", ".join(

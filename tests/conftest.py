@@ -1,0 +1,55 @@
+"""Shared helpers: build fake nodes and run one diagnosis through the builtin rules."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import pytest
+
+from detector.cli.main import builtin_rules_dir
+from detector.config import build_checks
+from detector.core.check import CheckRegistry
+from detector.core.sweep import Host, SweepResult, run_sweep
+from detector.core.types import Problem
+from detector.rules.engine import RuleEngine
+from detector.rules.loader import load_rules
+from fake_nvml.host import fake_host
+from fake_nvml.node import FakeNode
+from fake_nvml.scenario import load_scenario
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class Outcome:
+    sweep: SweepResult
+    problems: list[Problem]
+
+    def by_rule(self) -> dict[str, Problem]:
+        return {p.rule: p for p in self.problems}
+
+    def rules(self) -> set[str]:
+        return {p.rule for p in self.problems}
+
+
+@pytest.fixture(scope="session")
+def registry() -> CheckRegistry:
+    return CheckRegistry.from_entry_points()
+
+
+def diagnose_host(host: Host, registry: CheckRegistry, checks: Sequence[str] | None = None,
+                  settings: dict | None = None, inventory_timeout_s: float = 5.0) -> Outcome:
+    rules = load_rules([builtin_rules_dir()], registry.fields_by_check())
+    sweep = run_sweep(host, build_checks(registry, checks, settings or {}), inventory_timeout_s)
+    host.close()
+    return Outcome(sweep, RuleEngine(rules).evaluate(sweep.observations))
+
+
+def node_for(scenario: str, name: str | None = None) -> FakeNode:
+    return load_scenario(scenario).build(name)
+
+
+def diagnose_scenario(scenario: str, registry: CheckRegistry, **kwargs) -> Outcome:
+    return diagnose_host(fake_host(node_for(scenario)), registry, **kwargs)

@@ -7,6 +7,7 @@ Each instance is its own library: reference-counted init and shutdown, no module
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from dataclasses import dataclass
@@ -18,6 +19,8 @@ from detector.core.pciaddr import normalize_bus_id, nvml_bus_id
 from fake_nvml.node import FakeGpu, FakeNode, NodeState
 
 _MIB = 1024 * 1024
+# pynvml functions that are plain Python (no driver call): served as they are.
+_PURE_HELPERS = frozenset({"nvmlExceptionClass", "nvmlStructToFriendlyObject", "nvmlFriendlyObjectToStruct"})
 
 
 @dataclass(frozen=True)
@@ -60,13 +63,14 @@ class FakeNvml:
         self._refcount = 0
         self._lock = threading.Lock()
         self._event_sets: dict[int, _EventSet] = {}
+        self._event_set_ids = itertools.count(1)
 
     # Constants, NVMLError classes and helpers come straight from pynvml. A pynvml function this fake
     # does not implement behaves like a symbol missing from an old driver: FunctionNotFound.
     def __getattr__(self, name: str) -> Any:
         real = getattr(pynvml, name)
         if callable(real) and name.startswith("nvml") and not isinstance(real, type) \
-                and not name.startswith("nvmlEventType") and name != "nvmlExceptionClass":
+                and not name.startswith("nvmlEventType") and name not in _PURE_HELPERS:
             def missing(*args: Any, **kwargs: Any) -> Any:
                 raise _error(pynvml.NVML_ERROR_FUNCTION_NOT_FOUND)
             missing.__name__ = name
@@ -248,10 +252,14 @@ class FakeNvml:
         gpu = self._device(handle)
         return pynvml.c_nvmlUtilization_t(gpu=gpu.utilization_pct, memory=gpu.utilization_pct // 2)
 
-    def nvmlDeviceGetMemoryInfo(self, handle: Any, version: Any = None) -> pynvml.c_nvmlMemory_t:
+    def nvmlDeviceGetMemoryInfo(self, handle: Any, version: Any = None) -> Any:
         gpu = self._device(handle)
         total, used = gpu.model.memory_mib * _MIB, gpu.memory_used_mib * _MIB
-        return pynvml.c_nvmlMemory_t(total=total, free=total - used, used=used)
+        if not version:
+            return pynvml.c_nvmlMemory_t(total=total, free=total - used, used=used)
+        reserved = 512 * _MIB             # v2 reports the driver's reservation separately
+        return pynvml.c_nvmlMemory_v2_t(version=version, total=total, reserved=reserved,
+                                        free=total - used - reserved, used=used)
 
     def nvmlDeviceGetComputeRunningProcesses(self, handle: Any) -> list[Any]:
         gpu = self._device(handle)
@@ -306,7 +314,7 @@ class FakeNvml:
     def nvmlEventSetCreate(self) -> int:
         self._state()
         with self._lock:
-            key = len(self._event_sets) + 1
+            key = next(self._event_set_ids)
             self._event_sets[key] = _EventSet({}, len(self.node.xid_events()))
         return key
 

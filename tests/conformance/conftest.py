@@ -22,14 +22,6 @@ REAL = pytest.param("real", marks=pytest.mark.gpu)
 BACKENDS = ["fake", REAL]
 
 
-def fake_diverges(reason: str) -> list[Any]:
-    """Backends for a test that describes real NVML where the fake is known to differ.
-
-    Strict xfail: once the fake is fixed the test XPASSes, which fails the run, so the marker goes.
-    """
-    return [pytest.param("fake", marks=pytest.mark.xfail(strict=True, reason=reason)), REAL]
-
-
 def node_of(scenario: str, name: str | None = None) -> FakeNode:
     return load_scenario(scenario).build(name)
 

@@ -45,6 +45,11 @@ class _LineLoader(yaml.SafeLoader):
         result.key_lines = {}
         for key_node, value_node in node.value:
             key = self.construct_object(key_node, deep=True)
+            try:
+                hash(key)
+            except TypeError:
+                raise SourceError(self.name, key_node.start_mark.line + 1, None,
+                                  "a mapping key must be a plain value, not a list or mapping") from None
             if key in result:
                 raise SourceError(self.name, key_node.start_mark.line + 1, str(key), "duplicate key")
             result[key] = self.construct_object(value_node, deep=True)
@@ -120,9 +125,9 @@ class MappingReader:
     def field(self, key: str) -> str:
         return f"{self.path}.{key}" if self.path else key
 
-    def error(self, key: str | None, problem: str) -> SourceError:
-        line = line_of(self.data, key) if key is not None else line_of(self.data, None)
-        return SourceError(self.file, line, self.field(key) if key else (self.path or None), problem)
+    def error(self, key: Any, problem: str) -> SourceError:
+        line = line_of(self.data, key)
+        return SourceError(self.file, line, self.field(str(key)) if key is not None else (self.path or None), problem)
 
     def has(self, key: str) -> bool:
         return key in self.data
@@ -130,7 +135,7 @@ class MappingReader:
     def reject_unknown(self, allowed: set[str]) -> None:
         for key in self.data:
             if key not in allowed:
-                raise self.error(str(key), f"unknown field; expected one of: {', '.join(sorted(allowed))}")
+                raise self.error(key, f"unknown field; expected one of: {', '.join(sorted(allowed))}")
 
     def get(self, key: str, kind: type | tuple[type, ...], default: Any = _MISSING) -> Any:
         if key not in self.data or self.data[key] is None:

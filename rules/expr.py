@@ -40,17 +40,27 @@ class Predicate:
         """True when the observation matches. Missing fields or mismatched types never match."""
         try:
             return bool(self._fn(fields))
-        except (TypeError, ZeroDivisionError, KeyError):
+        except (TypeError, ArithmeticError, ValueError, KeyError):
             return False
 
 
+MAX_LENGTH = 2000
+
+
 def compile_predicate(source: str) -> Predicate:
+    if len(source) > MAX_LENGTH:
+        raise ExpressionError(f"expression longer than {MAX_LENGTH} characters")
     try:
         tree = ast.parse(source.strip(), mode="eval")
+        names: set[str] = set()
+        fn = _compile(tree.body, names)
     except SyntaxError as e:
-        raise ExpressionError(f"not a valid expression: {e.msg} at column {e.offset}") from None
-    names: set[str] = set()
-    fn = _compile(tree.body, names)
+        where = f" at column {e.offset}" if e.offset is not None else ""
+        raise ExpressionError(f"not a valid expression: {e.msg}{where}") from None
+    except (RecursionError, MemoryError):
+        raise ExpressionError("expression nested too deeply") from None
+    except ValueError as e:          # e.g. a NUL byte
+        raise ExpressionError(f"not a valid expression: {e}") from None
     return Predicate(source, frozenset(names), fn)
 
 
@@ -69,7 +79,7 @@ def _compile(node: ast.AST, names: set[str]) -> _Fn:
         return _compare(node, names)
     if isinstance(node, ast.BinOp) and type(node.op) in _ARITH:
         op, left, right = _ARITH[type(node.op)], _compile(node.left, names), _compile(node.right, names)
-        return lambda f: op(left(f), right(f))
+        return lambda f: op(_number(left(f)), _number(right(f)))
     if isinstance(node, ast.Name):
         if node.id.lower() in _CONSTANT_NAMES:
             value = _CONSTANT_NAMES[node.id.lower()]
@@ -85,6 +95,13 @@ def _compile(node: ast.AST, names: set[str]) -> _Fn:
         return lambda f: [i(f) for i in items]
     raise ExpressionError(f"'{ast.unparse(node)}' is not allowed here: use field names, literals, "
                           "comparisons (== != < <= > >= in), and/or/not and + - * / %")
+
+
+def _number(value: Any) -> int | float:
+    """Arithmetic is for numbers only: no string repetition or %-formatting from a rule file."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"not a number: {value!r}")
+    return value
 
 
 def _compare(node: ast.Compare, names: set[str]) -> _Fn:

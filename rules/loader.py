@@ -26,7 +26,7 @@ from typing import Iterable, Mapping
 from detector.core.types import ACTIONS, Severity
 from detector.rules.expr import ExpressionError, compile_predicate
 from detector.rules.model import Rule, template_names
-from detector.yamlsource import MappingReader, SourceError, load_yaml
+from detector.yamlsource import MappingReader, SourceError, line_of, load_yaml
 
 SUPPORTED_VERSIONS = {1}
 KUBELET_CONDITIONS = {"Ready", "MemoryPressure", "DiskPressure", "PIDPressure", "NetworkUnavailable"}
@@ -67,7 +67,7 @@ def load_rules(paths: Iterable[Path], known_fields: Mapping[str, set[str]] | Non
         for rule in _load_file(path, known_fields):
             if rule.name in seen:
                 first = seen[rule.name]
-                raise SourceError(rule.file, rule.line, "name",
+                raise SourceError(rule.file, rule.line, f"{rule.path}.name",
                                   f"rule {rule.name!r} is already defined at {first.file}:{first.line}")
             seen[rule.name] = rule
             rules.append(rule)
@@ -91,7 +91,7 @@ def _load_file(path: Path, known_fields: Mapping[str, set[str]] | None) -> list[
 def _rule(r: MappingReader, known_fields: Mapping[str, set[str]] | None) -> Rule:
     r.reject_unknown(_RULE_FIELDS)
     name = r.get("name", str)
-    if not _NAME.match(name):
+    if not _NAME.fullmatch(name):
         raise r.error("name", f"{name!r}: use lower-case letters, digits and dashes")
     checks = _checks(r, known_fields)
     when_text = r.get("when", str)
@@ -114,13 +114,15 @@ def _rule(r: MappingReader, known_fields: Mapping[str, set[str]] | None) -> Rule
         name=name, checks=checks, when=when, type=type_, reason=_camel(r, "reason"),
         severity=Severity(r.choice("severity", {s.value for s in Severity})), action=action,
         report=r.choice("report", {"condition", "event"}, "condition"), message=r.get("message", str),
-        description=r.get("description", str, ""), file=r.file, line=r.data.line if hasattr(r.data, "line") else 0,
+        description=r.get("description", str, ""), file=r.file, line=line_of(r.data, "name") or 0, path=r.path,
     )
 
 
 def _checks(r: MappingReader, known_fields: Mapping[str, set[str]] | None) -> frozenset[str] | None:
     value = r.get("check", (str, list))
     names = [value] if isinstance(value, str) else value
+    if not names:
+        raise r.error("check", "expected a check name, a list of them, or \"*\"")
     if names == ["*"]:
         return None
     for n in names:
@@ -141,7 +143,7 @@ def _allowed_fields(checks: frozenset[str] | None, known_fields: Mapping[str, se
 
 def _camel(r: MappingReader, key: str) -> str:
     value = r.get(key, str)
-    if not _CAMEL.match(value):
+    if not _CAMEL.fullmatch(value):
         raise r.error(key, f"{value!r}: expected CamelCase, like GpuPcieDegraded")
     return value
 

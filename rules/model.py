@@ -45,7 +45,8 @@ class Rule:
     message: str
     description: str
     file: str
-    line: int
+    line: int                           # of its `name:`
+    path: str = ""                      # its field path in the file: rules[3]
 
     def applies_to(self, check: str) -> bool:
         return self.checks is None or check in self.checks
@@ -70,17 +71,24 @@ class Rule:
 
 
 def compose_message(parts: Sequence[str], action: str) -> str:
-    """Join findings and end with the recommended action, within MESSAGE_LIMIT characters."""
+    """Join findings and end with the recommended action, within MESSAGE_LIMIT characters.
+    Findings that do not fit are counted ("+3 more"), never cut off mid-way, except a lone one."""
     suffix = f" Recommended action: {action} ({ACTIONS[action]})." if action not in ("NONE", "IGNORE") else ""
-    budget = MESSAGE_LIMIT - len(suffix)
-    body = ""
+    budget = MESSAGE_LIMIT - len(suffix) - 1          # room for the body's closing period
+
+    def more(n: int) -> str:
+        return f" (+{n} more)" if n else ""
+
+    kept: list[str] = []
     for i, part in enumerate(parts):
-        candidate = part if not body else f"{body}; {part}"
-        more = f" (+{len(parts) - i} more)"
-        if len(candidate) + (len(more) if i < len(parts) - 1 else 0) > budget:
-            body = (body or part[: budget - len(more) - 1]) + more
+        if len("; ".join([*kept, part])) + len(more(len(parts) - i - 1)) > budget:
             break
-        body = candidate
+        kept.append(part)
+    omitted = len(parts) - len(kept)
+    if not kept and parts:                            # even the first finding is too long: shorten it
+        omitted -= 1
+        kept = [parts[0][: budget - len(more(omitted)) - 1] + "…"]
+    body = "; ".join(kept) + more(omitted)
     if not body.endswith("."):
         body += "."
-    return (body + suffix)[:MESSAGE_LIMIT]
+    return body + suffix

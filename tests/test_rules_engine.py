@@ -202,21 +202,16 @@ def test_compose_message_overlong_first_part_is_cut_and_keeps_the_action() -> No
     m = compose_message(["x" * 5000, "y" * 10], "CONTACT_SUPPORT")
     assert len(m) <= MESSAGE_LIMIT
     assert m.endswith(SUFFIX["CONTACT_SUPPORT"])
-    assert re.search(r"x \(\+[12] more\)\. Recommended action", m)      # the second finding is counted
+    assert re.search(r"x… \(\+1 more\)\. Recommended action", m)      # the second finding is counted
     assert "y" not in m.replace("Recommended", "").split("(+")[0]
 
 
-@pytest.mark.xfail(strict=True, reason="BUG model.py:85-87: when the findings fill the budget exactly, the "
-                                       "'.' appended to the body pushes the text to 1025 chars and the "
-                                       "final [:1024] cut removes the action text's closing period")
 def test_compose_message_at_exact_budget_still_ends_with_the_action() -> None:
     budget = MESSAGE_LIMIT - len(SUFFIX["RESET_GPU"])
     m = compose_message(["a" * budget], "RESET_GPU")
     assert len(m) <= MESSAGE_LIMIT and m.endswith(SUFFIX["RESET_GPU"])
 
 
-@pytest.mark.xfail(strict=True, reason="BUG model.py:79-81: a single over-long finding is truncated and "
-                                       "labelled '(+1 more)' although no other finding was left out")
 def test_single_overlong_finding_does_not_claim_more() -> None:
     m = compose_message(["z" * 3000], "RESET_GPU")
     assert len(m) <= MESSAGE_LIMIT and m.endswith(SUFFIX["RESET_GPU"])

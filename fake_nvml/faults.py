@@ -61,6 +61,8 @@ class Fault:
             if not isinstance(value, want) or isinstance(value, bool) and want is not bool:
                 if not (want is float and isinstance(value, int) and not isinstance(value, bool)):
                     raise ValueError(f"fault {self.kind!r}: {key} must be {want.__name__}, got {value!r}")
+        if self.kind == "xid" and self.params.get("via", "both") not in ("both", "kernel", "nvml"):
+            raise ValueError("fault 'xid': via must be both, kernel or nvml")
         for key in spec.required:
             if key not in self.params:
                 raise ValueError(f"fault {self.kind!r} needs parameter {key!r}")
@@ -84,8 +86,11 @@ def xid_line(gpu: "FakeGpu", code: int, message: str | None, pid: int | None) ->
 def _xid(f: Fault, state: "NodeState", gpu: "FakeGpu | None", node: "FakeNode") -> None:
     assert gpu is not None
     code = f.params["code"]
-    node.log_kernel(xid_line(gpu, code, f.params.get("message"), f.params.get("pid")))
-    node.emit_xid(gpu, code)
+    via = f.params.get("via", "both")
+    if via in ("both", "kernel"):
+        node.log_kernel(xid_line(gpu, code, f.params.get("message"), f.params.get("pid")))
+    if via in ("both", "nvml"):
+        node.emit_xid(gpu, code)
     if code == 79:
         gpu.lost = True          # from now on the driver answers GPU_IS_LOST for this GPU
     if code in (48, 95):
@@ -153,8 +158,8 @@ def _recover(f: Fault, state: "NodeState", gpu: "FakeGpu | None", node: "FakeNod
 
 
 FAULT_KINDS: dict[str, FaultKind] = {k.name: k for k in (
-    FaultKind("xid", True, {"code": int, "message": str, "pid": int}, ("code",), _xid,
-              "an XID: kernel log line and NVML event; 79 also makes the GPU lost"),
+    FaultKind("xid", True, {"code": int, "message": str, "pid": int, "via": str}, ("code",), _xid,
+              "an XID: kernel log line and NVML event (via: both, kernel or nvml); 79 also makes the GPU lost"),
     FaultKind("pcie", True, {"width": int, "gen": int}, (), _pcie,
               "the PCIe link retrains at this width and/or generation"),
     FaultKind("nvml_invisible", True, {}, (), _set("nvml_visible", None, False),

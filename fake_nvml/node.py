@@ -151,6 +151,7 @@ class FakeNode:
         self._xids: list[XidEvent] = []
         self._on_change = on_change
         self.injected: list[tuple[float, Fault]] = []
+        self._log_driver_load()
         self._apply_due()
 
     # -- reading ---------------------------------------------------------------------------------
@@ -183,6 +184,15 @@ class FakeNode:
 
     def uptime_usec(self) -> int:
         return int((self._clock() - self._started) * 1e6)
+
+    def _log_driver_load(self) -> None:
+        """What the driver prints when it loads: its version and each GPU's bus id and UUID."""
+        if not self._state.driver_loaded:
+            return
+        self.log_kernel(f"NVRM: loading NVIDIA UNIX x86_64 Kernel Module  {self._state.driver_version}", 6)
+        for gpu in self._state.gpus:
+            domain, bus, dev_fn = gpu.pci_bus_id.split(":")
+            self.log_kernel(f"NVRM: GPU at PCI:{domain}:{bus}:{dev_fn.split('.')[0]}: {gpu.uuid}", 6)
 
     # -- changing --------------------------------------------------------------------------------
 

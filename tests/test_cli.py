@@ -39,7 +39,7 @@ def test_healthy_node_json_exit_0_with_eight_gpus_and_bus_ids():
     assert set(gpu) >= {"index", "uuid", "name", "pci_bus_id", "pcie"}
     assert gpu["pcie"] == {"current_width": 16, "max_width": 16, "current_gen": 5, "max_gen": 5}
     assert gpu["uuid"].startswith("GPU-") and gpu["name"] == "NVIDIA H100 80GB HBM3"
-    assert {c["name"] for c in report["checks"]} == {"visibility", "pcie"}
+    assert {c["name"] for c in report["checks"]} == {"visibility", "pcie", "xid"}
     assert all(c["status"] == "ok" and isinstance(c["duration_ms"], float) for c in report["checks"])
 
 

@@ -32,7 +32,7 @@ class UsageError(Exception):
 
 
 def builtin_rules_dir() -> Path:
-    return Path(str(resources.files("detector") / "rules"))
+    return Path(str(resources.files("detector") / "rules" / "builtin"))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -24,6 +24,8 @@ class Host:
     smi: NvidiaSmi
     pci: PciBus
     nvml_init_error: str | None = None # nvmlInit failed with this (DriverNotLoaded, ...): a finding
+    kernel_log: Any = None             # a reader with read_available() -> list[LogLine], or None
+    boot_id: str = "current"           # this boot, as the kernel names it
     threaded: bool = True              # False: call checks inline (fake backends that cannot hang)
     close: Callable[[], None] = lambda: None
 

@@ -35,6 +35,8 @@ ACTIONS: dict[str, str] = {
     "RESTART_VM": "drain the node and restart the VM",
     "CHECK_MECHANICALS": "drain the node and check the GPU's power cables and seating",
     "CHECK_UVM": "check the UVM driver and the application's memory use",
+    "DRAIN_P2P": "stop peer-to-peer GPU traffic (and UVM persistence), then check the GPU again",
+    "DRAIN_AND_RESET": "drain the GPU's workloads, then reset it with nvidia-smi -r",
     "CHECK_DRIVER": "check that the NVIDIA driver is installed, loaded and matches its user-space libraries",
     "INSPECT": "look at the node: the detector could not tell what is wrong",
     "CONTACT_SUPPORT": "drain the node and open a hardware case with the vendor",

@@ -33,7 +33,10 @@ KUBELET_CONDITIONS = {"Ready", "MemoryPressure", "DiskPressure", "PIDPressure", 
 _NAME = re.compile(r"^[a-z0-9][a-z0-9-]*$")
 _CAMEL = re.compile(r"^[A-Z][A-Za-z0-9]*$")
 _RULE_FIELDS = {"name", "check", "when", "type", "reason", "severity", "action", "report", "message",
-                "description"}
+                "description", "fallback", "action_field", "count", "window", "boots"}
+_DURATION = re.compile(r"^(\d+(?:\.\d+)?)\s*(s|m|h|d)$")
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+ESCALATION_FIELDS = {"matches": "matches added up in the window", "boots_seen": "distinct boots seen"}
 
 
 @dataclass(frozen=True)
@@ -99,13 +102,19 @@ def _rule(r: MappingReader, known_fields: Mapping[str, set[str]] | None) -> Rule
         when = compile_predicate(when_text)
     except ExpressionError as e:
         raise r.error("when", str(e)) from None
+    count, window_s, boots = _escalation(r)
     allowed = _allowed_fields(checks, known_fields)
     if allowed is not None:
-        for field_name, used in (("when", when.names), ("message", template_names(r.get("message", str)))):
-            unknown = sorted(used - allowed)
+        template_allowed = allowed | (set(ESCALATION_FIELDS) if count or boots else set())
+        for field_name, used, known in (("when", when.names, allowed),
+                                        ("message", template_names(r.get("message", str)), template_allowed)):
+            unknown = sorted(used - known)
             if unknown:
                 raise r.error(field_name, f"unknown field {unknown[0]!r} for check "
-                              f"{_describe(checks)} (known: {', '.join(sorted(allowed))})")
+                              f"{_describe(checks)} (known: {', '.join(sorted(known))})")
+    action_field = r.get("action_field", str, None)
+    if action_field is not None and allowed is not None and action_field not in allowed:
+        raise r.error("action_field", f"unknown field {action_field!r} for check {_describe(checks)}")
     type_ = _camel(r, "type")
     if type_ in KUBELET_CONDITIONS:
         raise r.error("type", f"{type_!r} belongs to the kubelet; gpu-npd never writes it")
@@ -115,7 +124,29 @@ def _rule(r: MappingReader, known_fields: Mapping[str, set[str]] | None) -> Rule
         severity=Severity(r.choice("severity", {s.value for s in Severity})), action=action,
         report=r.choice("report", {"condition", "event"}, "condition"), message=r.get("message", str),
         description=r.get("description", str, ""), file=r.file, line=line_of(r.data, "name") or 0, path=r.path,
+        fallback=r.get("fallback", bool, False), action_field=action_field, count=count, window_s=window_s,
+        boots=boots,
     )
+
+
+def _escalation(r: MappingReader) -> tuple[int | None, float | None, int | None]:
+    count = r.get("count", int, None)
+    if count is not None and count < 1:
+        raise r.error("count", "must be at least 1")
+    boots = r.get("boots", int, None)
+    if boots is not None and boots < 2:
+        raise r.error("boots", "must be at least 2 (one boot is every match)")
+    window_s = None
+    if r.has("window"):
+        m = _DURATION.match(str(r.get("window", (str, int))).strip())
+        if not m:
+            raise r.error("window", "expected a duration like 90s, 10m, 24h or 7d")
+        window_s = float(m[1]) * _UNITS[m[2]]
+        if count is None and boots is None:
+            raise r.error("window", "a window needs 'count' or 'boots'")
+    if r.get("fallback", bool, False) and (count or boots):
+        raise r.error("fallback", "a fallback rule cannot also count or span boots")
+    return count, window_s, boots
 
 
 def _checks(r: MappingReader, known_fields: Mapping[str, set[str]] | None) -> frozenset[str] | None:

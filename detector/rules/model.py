@@ -47,27 +47,46 @@ class Rule:
     file: str
     line: int                           # of its `name:`
     path: str = ""                      # its field path in the file: rules[3]
+    fallback: bool = False              # matches only what no other rule of its check matched
+    action_field: str | None = None     # take the action from this observation field when valid
+    count: int | None = None            # fire when one GPU's matches in `window_s` add up to this
+    window_s: float | None = None
+    boots: int | None = None            # fire when one GPU's matches span this many boots
+
+    @property
+    def escalates(self) -> bool:
+        return self.count is not None or self.boots is not None
 
     def applies_to(self, check: str) -> bool:
         return self.checks is None or check in self.checks
 
-    def problem(self, hits: Sequence[Observation]) -> Problem:
+    def problem(self, hits: Sequence[Observation], extra: Mapping[str, Any] | None = None) -> Problem:
         """One problem for all of this rule's hits in a sweep: one condition, many GPUs."""
         gpus: list[GpuRef] = []
         parts: list[str] = []
         for obs in hits:
-            text = render(self.message, obs.fields)
+            text = render(self.message, {**obs.fields, **(extra or {})})
             if obs.gpu is not None:
                 text = f"{obs.gpu.label()}: {text}"
                 if obs.gpu not in gpus:
                     gpus.append(obs.gpu)
             if text not in parts:
                 parts.append(text)
+        action = self._action(hits)
         return Problem(
             rule=self.name, check=hits[0].check, type=self.type, reason=self.reason,
-            message=compose_message(parts, self.action), severity=self.severity, action=self.action,
+            message=compose_message(parts, action), severity=self.severity, action=action,
             report=self.report, gpus=tuple(gpus), time=max(o.time for o in hits),
         )
+
+
+    def _action(self, hits: Sequence[Observation]) -> str:
+        if self.action_field:
+            for obs in hits:
+                value = obs.fields.get(self.action_field)
+                if isinstance(value, str) and value in ACTIONS:
+                    return value
+        return self.action
 
 
 def compose_message(parts: Sequence[str], action: str) -> str:

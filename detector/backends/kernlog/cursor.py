@@ -1,0 +1,79 @@
+"""Where a log reader stopped, persisted so a restarted daemon neither re-reports nor misses lines."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+class CursorStore:
+    """A small JSON document in one file, replaced atomically (temp file + os.replace), so a crash leaves
+    either the old cursor or the new one. `path=None` keeps it in memory only (tests, fake nodes).
+
+    Never raises: an unreadable or corrupt file reads as "no cursor" (with a warning), and a failed save is
+    logged and reported by the return value, since losing a cursor costs at most duplicates or a gap.
+    """
+
+    def __init__(self, path: Path | str | None):
+        self.path = Path(path) if path is not None else None
+        self._memory: dict[str, Any] | None = None
+        self._last_saved: dict[str, Any] | None = None
+        self._save_failing = False
+
+    def load(self) -> dict[str, Any] | None:
+        if self.path is None:
+            return dict(self._memory) if self._memory is not None else None
+        try:
+            text = self.path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            return None
+        except (OSError, UnicodeDecodeError) as e:
+            log.warning("cannot read cursor file %s (%s); starting without it", self.path, e)
+            return None
+        try:
+            data = json.loads(text)
+        except ValueError as e:
+            log.warning("cursor file %s is corrupt (%s); starting without it", self.path, e)
+            return None
+        if not isinstance(data, dict):
+            log.warning("cursor file %s does not hold a JSON object; starting without it", self.path)
+            return None
+        self._last_saved = data
+        return dict(data)
+
+    def save(self, state: dict[str, Any]) -> bool:
+        """Persist `state`; True when it is stored (an unchanged state is not rewritten)."""
+        if state == self._last_saved:
+            return True
+        if self.path is None:
+            self._memory = dict(state)
+            self._last_saved = dict(state)
+            return True
+        tmp: str | None = None
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".tmp", dir=self.path.parent)
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                json.dump(state, f, separators=(",", ":"))
+            os.replace(tmp, self.path)
+            tmp = None
+        except (OSError, TypeError, ValueError) as e:
+            if not self._save_failing:     # once per failing spell, not once per read
+                log.warning("cannot save cursor to %s: %s", self.path, e)
+            self._save_failing = True
+            return False
+        finally:
+            if tmp is not None:
+                try:
+                    os.unlink(tmp)
+                except OSError:
+                    pass
+        self._save_failing = False
+        self._last_saved = dict(state)
+        return True

@@ -1,0 +1,225 @@
+"""Kernel lines from the systemd journal through `journalctl -k -o json`, run as an argument list with a
+timeout, resumed from the journal's own cursor. For nodes where /dev/kmsg is not readable but the journal is
+(journald keeps the kernel log of past boots too)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import subprocess
+from dataclasses import dataclass
+from typing import Any, Callable, Literal
+
+from detector.backends.kernlog.cursor import CursorStore
+from detector.backends.kernlog.records import NO_FIELDS, LogLine
+
+log = logging.getLogger(__name__)
+
+Start = Literal["end", "beginning"]
+Runner = Callable[..., "subprocess.CompletedProcess[bytes]"]
+
+DEFAULT_MAX_ENTRIES = 5_000    # per run, so a flood costs several runs, not one unbounded JSON dump
+RESET_AFTER_FAILURES = 3       # a cursor journalctl keeps refusing is dropped (start again at the end)
+
+
+@dataclass
+class JournaldStats:
+    runs: int = 0
+    entries: int = 0          # lines handed out
+    malformed: int = 0        # output lines that are not a usable journal entry
+    timeouts: int = 0
+    failures: int = 0         # journalctl could not be run, or exited non-zero
+    cursor_resets: int = 0    # the saved cursor was dropped after repeated failures
+
+
+def normalize_boot_id(value: str | None) -> str | None:
+    """journald writes boot ids as 32 hex digits; /proc writes the dashed UUID form. Use the latter."""
+    if not value:
+        return None
+    h = value.replace("-", "").lower()
+    if len(h) != 32:
+        return value
+    return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
+
+
+def _text(value: Any) -> str | None:
+    """A journal field as JSON output gives it: a string, a list of byte values (binary or invalid
+    UTF-8), or a list of values (a field set more than once; the first is taken); null when too long."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and value:
+        if all(type(b) is int for b in value):
+            try:
+                return bytes(value).decode("utf-8", "replace")
+            except ValueError:
+                return None
+        return _text(value[0])
+    return None
+
+
+def _int(value: Any) -> int | None:
+    text = _text(value) if not isinstance(value, int) else str(value)
+    try:
+        return int(text) if text is not None else None
+    except ValueError:
+        return None
+
+
+def parse_entry(entry: dict[str, Any]) -> LogLine | None:
+    """One `journalctl -o json` entry as a LogLine; None when it has no usable MESSAGE."""
+    text = _text(entry.get("MESSAGE"))
+    if text is None:
+        return None
+    level = _int(entry.get("PRIORITY"))
+    facility = _int(entry.get("SYSLOG_FACILITY"))
+    if facility is None and _text(entry.get("_TRANSPORT")) == "kernel":
+        facility = 0      # journald records SYSLOG_FACILITY only for non-kernel records read from kmsg
+    priority = None if level is None or facility is None else facility * 8 + level
+    realtime = _int(entry.get("__REALTIME_TIMESTAMP"))
+    monotonic = _int(entry.get("_SOURCE_MONOTONIC_TIMESTAMP"))   # the kmsg USEC, when from the kernel
+    if monotonic is None:
+        monotonic = _int(entry.get("__MONOTONIC_TIMESTAMP"))
+    fields = NO_FIELDS
+    kernel = {k[len("_KERNEL_"):]: v for k, v in entry.items() if k.startswith("_KERNEL_")}
+    if kernel:   # kmsg continuation lines, stored by journald as _KERNEL_SUBSYSTEM, _KERNEL_DEVICE, ...
+        fields = {k: t for k, v in kernel.items() if (t := _text(v)) is not None}
+    return LogLine(text=text, boot_id=normalize_boot_id(_text(entry.get("_BOOT_ID"))),
+                   monotonic_us=monotonic, realtime=None if realtime is None else realtime / 1e6,
+                   priority=priority, fields=fields)
+
+
+class JournaldReader:
+    """Kernel lines of the journal, each handed out once, resumed across restarts by the journal cursor.
+
+    The cursor store holds ``{"cursor", "boot_id"}``. With no cursor, `start` "end" first asks for the
+    newest kernel entry (``-n 1``) only to learn its cursor; "beginning" hands out this boot's kernel log.
+    A cursor from another boot than `boot_id` (when given) is ignored, as for /dev/kmsg.
+    """
+
+    def __init__(self, cursor: CursorStore, journalctl: str = "journalctl", timeout_s: float = 10,
+                 runner: Runner = subprocess.run, start: Start = "end", boot_id: str | None = None,
+                 max_entries: int = DEFAULT_MAX_ENTRIES, which: Callable[[str], str | None] = shutil.which):
+        if start not in ("end", "beginning"):
+            raise ValueError(f"start must be 'end' or 'beginning', not {start!r}")
+        self.cursor_store = cursor
+        self.name = "journald"
+        self.journalctl = journalctl
+        self.timeout_s = timeout_s
+        self.runner = runner
+        self.start = start
+        self.boot_id = normalize_boot_id(boot_id)
+        self.max_entries = max_entries
+        self._which = which
+        self.stats = JournaldStats()
+        self.cursor: str | None = None        # the journal cursor of the last entry dealt with
+        self._cursor_boot: str | None = None
+        self._end_known = start == "beginning"   # "end": not yet learnt where the journal ends
+        self._failures_in_a_row = 0
+        saved = cursor.load()
+        if saved and isinstance(saved.get("cursor"), str):
+            saved_boot = normalize_boot_id(saved.get("boot_id")) if isinstance(saved.get("boot_id"), str) else None
+            if self.boot_id is None or saved_boot == self.boot_id:
+                self.cursor, self._cursor_boot = saved["cursor"], saved_boot
+
+    def available(self) -> bool:
+        """Whether journalctl can be found (on PATH, or at the path given)."""
+        try:
+            return self._which(self.journalctl) is not None
+        except OSError:
+            return False
+
+    def command(self) -> list[str]:
+        """The argument list the next read_available will run."""
+        argv = [self.journalctl, "-k", "-o", "json", "--no-pager", "--quiet"]
+        if self.cursor is not None:
+            return argv + ["--after-cursor", self.cursor, "-n", str(self.max_entries)]
+        if not self._end_known:
+            return argv + ["-n", "1"]    # only to learn where the journal ends now
+        return argv                      # -k implies this boot only
+
+    def read_available(self) -> list[LogLine]:
+        """Entries logged since the last call. Never raises: failures leave the cursor where it was."""
+        used_cursor = self.cursor is not None
+        learning_end = not used_cursor and not self._end_known
+        stdout, status = self._run(self.command())
+        lines = self._parse(stdout)
+        if learning_end:
+            if status == "ok":
+                self._end_known = True    # with no kernel entry at all, everything from now on is new
+            lines = []
+        if used_cursor and status == "failed" and not stdout:
+            self._failures_in_a_row += 1  # e.g. "Failed to seek to cursor": retrying it forever gets nowhere
+            if self._failures_in_a_row >= RESET_AFTER_FAILURES:
+                self._reset_cursor()
+        elif status == "ok":
+            self._failures_in_a_row = 0
+        self._save()
+        self.stats.entries += len(lines)
+        return lines
+
+    def _run(self, argv: list[str]) -> tuple[bytes, str]:
+        """(stdout, "ok" | "timeout" | "failed"); on a timeout, the whole lines written before it."""
+        self.stats.runs += 1
+        try:
+            proc = self.runner(argv, stdin=subprocess.DEVNULL, capture_output=True, timeout=self.timeout_s,
+                               check=False)
+        except subprocess.TimeoutExpired as e:
+            self.stats.timeouts += 1
+            log.warning("%s did not finish in %ss", self.journalctl, self.timeout_s)
+            partial = _bytes(e.stdout)
+            return partial[: partial.rfind(b"\n") + 1], "timeout"
+        except (OSError, ValueError, subprocess.SubprocessError) as e:
+            self.stats.failures += 1
+            log.warning("cannot run %s: %s", self.journalctl, e)
+            return b"", "failed"
+        stdout = _bytes(proc.stdout)
+        if proc.returncode != 0:
+            self.stats.failures += 1
+            err = _bytes(proc.stderr).decode("utf-8", "replace").strip()[:300]
+            log.warning("%s exited with %s: %s", self.journalctl, proc.returncode, err)
+            return stdout, "failed"
+        return stdout, "ok"
+
+    def _parse(self, stdout: bytes) -> list[LogLine]:
+        out: list[LogLine] = []
+        for raw in stdout.split(b"\n"):
+            raw = raw.strip()
+            if not raw or raw.startswith(b"-- "):     # blank, or an informational line such as "-- No entries --"
+                continue
+            try:
+                entry = json.loads(raw)
+            except ValueError:
+                self.stats.malformed += 1
+                continue
+            if not isinstance(entry, dict):
+                self.stats.malformed += 1
+                continue
+            cursor = entry.get("__CURSOR")
+            if isinstance(cursor, str) and cursor:
+                self.cursor = cursor
+                self._cursor_boot = normalize_boot_id(_text(entry.get("_BOOT_ID")))
+            line = parse_entry(entry)
+            if line is None:
+                self.stats.malformed += 1
+                continue
+            out.append(line)
+        return out
+
+    def _reset_cursor(self) -> None:
+        log.warning("%s keeps failing with the saved cursor; starting again at the end of the journal",
+                    self.journalctl)
+        self.stats.cursor_resets += 1
+        self.cursor, self._cursor_boot = None, None
+        self._end_known = False
+        self._failures_in_a_row = 0
+
+    def _save(self) -> None:
+        if self.cursor is not None:
+            self.cursor_store.save({"cursor": self.cursor, "boot_id": self._cursor_boot})
+
+
+def _bytes(value: bytes | str | None) -> bytes:
+    if value is None:
+        return b""
+    return value.encode("utf-8", "replace") if isinstance(value, str) else value

@@ -1,0 +1,282 @@
+"""Reading /dev/kmsg: one record per read, sequence numbers that expose every lost record, and a cursor
+so a restarted daemon resumes exactly where it stopped within the same boot.
+
+Record format (Documentation/ABI/testing/dev-kmsg): ``PRI,SEQ,USEC,FLAGS[,more...];message\\n`` followed by
+optional continuation lines `` KEY=value\\n``. Non-printable bytes and backslash are escaped as ``\\xNN``.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import re
+import time
+from dataclasses import dataclass
+from typing import Callable, Literal, Protocol
+
+from detector.backends.kernlog.cursor import CursorStore
+from detector.backends.kernlog.records import NO_FIELDS, LogLine
+
+log = logging.getLogger(__name__)
+
+Start = Literal["end", "beginning"]
+
+RECORD_MAX = 8192              # the kernel's per-record limit (CONSOLE_EXT_LOG_MAX); a smaller read gets EINVAL
+DEFAULT_BATCH_LIMIT = 100_000  # records per read_available when the caller sets no limit: never spin forever
+_DRAIN_LIMIT = 2_000_000       # records skipped when starting at "end"; more than any ring buffer holds
+
+_ESCAPE = re.compile(rb"\\x([0-9a-fA-F]{2})")
+
+
+class KmsgDevice(Protocol):
+    """What /dev/kmsg offers a reader (and what a fake must reproduce)."""
+
+    def read_record(self) -> bytes:
+        """One whole record. BlockingIOError: none left for now. BrokenPipeError: the next record was
+        overwritten in the ring buffer; the position has moved to the oldest record still present."""
+        ...
+
+    def seek_end(self) -> None: ...
+
+    def seek_beginning(self) -> None: ...
+
+
+class KmsgUnavailable(OSError):
+    """/dev/kmsg (or the given path) cannot be opened; carries errno and the path."""
+
+
+class DevKmsg:
+    """The real device over a non-blocking file descriptor (each instance is its own reader)."""
+
+    def __init__(self, path: str | os.PathLike[str] = "/dev/kmsg"):
+        self.path = os.fspath(path)
+        try:
+            self._fd: int | None = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError as e:
+            raise KmsgUnavailable(e.errno, f"cannot open the kernel log: {e.strerror}", self.path) from e
+
+    def fileno(self) -> int:
+        """For poll/select: /dev/kmsg is readable when a record is waiting."""
+        if self._fd is None:
+            raise ValueError(f"{self.path} is closed")
+        return self._fd
+
+    def read_record(self) -> bytes:
+        # os.read raises BlockingIOError for EAGAIN and BrokenPipeError for EPIPE, as the protocol wants.
+        data = os.read(self.fileno(), RECORD_MAX)
+        if not data:   # not /dev/kmsg (a regular file, say): treat its end as "no more records"
+            raise BlockingIOError(errno.EAGAIN, "no more records", self.path)
+        return data
+
+    def seek_end(self) -> None:
+        os.lseek(self.fileno(), 0, os.SEEK_END)
+
+    def seek_beginning(self) -> None:
+        # SEEK_SET 0 is the oldest record in the buffer; SEEK_DATA would be "after the last syslog clear".
+        os.lseek(self.fileno(), 0, os.SEEK_SET)
+
+    def close(self) -> None:
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            os.close(fd)
+
+    def __enter__(self) -> "DevKmsg":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def read_boot_id(path: str | os.PathLike[str] = "/proc/sys/kernel/random/boot_id") -> str | None:
+    """This boot's id, or None when it cannot be read (then no cursor is ever trusted across restarts)."""
+    try:
+        with open(path, encoding="ascii") as f:
+            value = f.read().strip()
+    except (OSError, UnicodeDecodeError) as e:
+        log.warning("cannot read the boot id from %s: %s", path, e)
+        return None
+    return value or None
+
+
+def boot_time() -> float:
+    """Epoch seconds of this boot (psutil: /proc/stat btime, whole seconds); kmsg USEC counts from it."""
+    try:
+        import psutil
+        return float(psutil.boot_time())
+    except Exception:  # noqa: BLE001 - any failure: fall back to the monotonic clock, which also starts at boot
+        return time.time() - time.monotonic()
+
+
+def _unescape(raw: bytes) -> str:
+    if b"\\" in raw:
+        raw = _ESCAPE.sub(lambda m: bytes((int(m.group(1), 16),)), raw)
+    return raw.decode("utf-8", "replace")
+
+
+def parse_record(raw: bytes, boot_id: str | None = None, boot_time_s: float | None = None) -> LogLine | None:
+    """One /dev/kmsg record as a LogLine; None when the record is malformed."""
+    semi = raw.find(b";")
+    if semi < 0:
+        return None
+    header = raw[:semi].split(b",")
+    if len(header) < 4:      # PRI,SEQ,USEC,FLAGS; later kernels may append more fields (ignored)
+        return None
+    try:
+        pri, seq, usec = int(header[0]), int(header[1]), int(header[2])
+    except ValueError:
+        return None
+    if pri < 0 or seq < 0 or usec < 0:
+        return None
+    body = raw[semi + 1:]
+    nl = body.find(b"\n")
+    if nl < 0:
+        message, rest = body, b""
+    else:
+        message, rest = body[:nl], body[nl + 1:]
+    fields = NO_FIELDS
+    if rest:
+        found: dict[str, str] = {}
+        for cont in rest.split(b"\n"):
+            if cont.startswith(b" "):
+                key, sep, value = cont[1:].partition(b"=")
+                if sep and key:
+                    found[_unescape(key)] = _unescape(value)
+        if found:
+            fields = found
+    return LogLine(
+        text=_unescape(message), seq=seq, boot_id=boot_id, monotonic_us=usec,
+        realtime=None if boot_time_s is None else boot_time_s + usec / 1e6,
+        priority=pri, fields=fields,
+    )
+
+
+def _record_seq(raw: bytes) -> int | None:
+    """Just the sequence number (cheap: used to skip a whole ring buffer at start)."""
+    parts = raw.split(b",", 2)
+    if len(parts) < 3:
+        return None
+    try:
+        return int(parts[1])
+    except ValueError:
+        return None
+
+
+@dataclass
+class KmsgStats:
+    records: int = 0        # handed out
+    skipped: int = 0        # already handed out before a restart (seq <= cursor), or skipped at an "end" start
+    malformed: int = 0      # records that could not be parsed
+    overruns: int = 0       # EPIPE: the reader fell behind the ring buffer
+    lost_records: int = 0   # records overwritten before they could be read (sequence gaps)
+    errors: int = 0         # other device errors
+
+
+class KmsgReader:
+    """Kernel records from a KmsgDevice, each handed out once, in order, across restarts of the reader.
+
+    The cursor holds ``{"boot_id", "seq"}``: every record of that boot with seq <= cursor has been dealt
+    with. In the same boot a new reader resumes right after it; in another boot (or with no cursor) it
+    honours `start`: "end" skips what is in the buffer now, "beginning" hands out all of it.
+    """
+
+    def __init__(self, device: KmsgDevice, boot_id: str | None, boot_time: float, cursor: CursorStore,
+                 start: Start = "end", batch_limit: int = DEFAULT_BATCH_LIMIT):
+        if start not in ("end", "beginning"):
+            raise ValueError(f"start must be 'end' or 'beginning', not {start!r}")
+        self.device = device
+        self.name = "kmsg"
+        self.boot_id = boot_id
+        self.boot_time = boot_time
+        self.cursor = cursor
+        self.batch_limit = batch_limit
+        self.stats = KmsgStats()
+        self._last_seq: int | None = None     # the newest seq dealt with; None: nothing yet
+        self.resumed = False                  # True when a saved cursor of this boot was honoured
+
+        saved = cursor.load()
+        saved_seq = saved.get("seq") if saved else None
+        if (saved and boot_id and saved.get("boot_id") == boot_id
+                and (saved_seq is None or (isinstance(saved_seq, int) and not isinstance(saved_seq, bool)))):
+            self.resumed = True
+            self._last_seq = saved_seq
+            self._seek(device.seek_beginning)
+        elif start == "beginning":
+            self._seek(device.seek_beginning)
+        else:
+            self._skip_to_end()
+
+    def _seek(self, how: Callable[[], None]) -> bool:
+        try:
+            how()
+            return True
+        except OSError as e:
+            self.stats.errors += 1
+            log.warning("cannot seek the kernel log: %s", e)
+            return False
+
+    def _skip_to_end(self) -> None:
+        """Start after the newest record present, knowing its seq, so that the cursor saved now lets a
+        restart in this boot pick up exactly the records that arrived after this start."""
+        if not self._seek(self.device.seek_beginning):
+            self._seek(self.device.seek_end)
+            return
+        last: int | None = None
+        for _ in range(_DRAIN_LIMIT):
+            try:
+                raw = self.device.read_record()
+            except BlockingIOError:
+                break
+            except BrokenPipeError:
+                continue
+            except OSError as e:
+                self.stats.errors += 1
+                log.warning("cannot read the kernel log: %s", e)
+                self._seek(self.device.seek_end)
+                return
+            seq = _record_seq(raw)
+            if seq is not None:
+                last = seq
+                self.stats.skipped += 1
+        self._last_seq = last
+        self._save()   # seq None here means "the buffer was empty: every record of this boot is new"
+
+    def read_available(self, max_records: int | None = None) -> list[LogLine]:
+        """Every record available now (at most `max_records`, else at most `batch_limit`). Never raises."""
+        limit = self.batch_limit if max_records is None else max_records
+        out: list[LogLine] = []
+        read = self.device.read_record
+        while len(out) < limit:
+            try:
+                raw = read()
+            except BlockingIOError:
+                break
+            except BrokenPipeError:
+                self.stats.overruns += 1    # the position moved to the oldest record; the gap counts the loss
+                continue
+            except OSError as e:
+                self.stats.errors += 1
+                log.warning("cannot read the kernel log: %s", e)
+                break
+            line = parse_record(raw, self.boot_id, self.boot_time)
+            if line is None:
+                self.stats.malformed += 1
+                continue
+            seq = line.seq
+            assert seq is not None
+            last = self._last_seq
+            if last is not None:
+                if seq <= last:
+                    self.stats.skipped += 1
+                    continue
+                if seq > last + 1:
+                    self.stats.lost_records += seq - last - 1
+            self._last_seq = seq
+            out.append(line)
+        self.stats.records += len(out)
+        self._save()
+        return out
+
+    def _save(self) -> None:
+        if self.boot_id:
+            self.cursor.save({"boot_id": self.boot_id, "seq": self._last_seq})

@@ -1,0 +1,76 @@
+"""Apply rules to a sweep's observations.
+
+The engine belongs to one node agent and remembers, per escalating rule, recent matches (bounded),
+so "XID 13 twice in 24 h" or "the same fatal XID after two reboots" holds across sweeps.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict, deque
+from typing import Any, Iterable
+
+from detector.core.types import Observation, Problem
+from detector.rules.loader import RuleSet
+from detector.rules.model import Rule
+
+HISTORY_LIMIT = 10_000          # remembered matches per escalating rule
+
+
+class RuleEngine:
+    def __init__(self, ruleset: RuleSet):
+        self.ruleset = ruleset
+        self._history: dict[str, deque[tuple[float, Any, int, str]]] = defaultdict(
+            lambda: deque(maxlen=HISTORY_LIMIT))
+
+    def evaluate(self, observations: Iterable[Observation]) -> list[Problem]:
+        """One problem per rule that matched, in rule-file order."""
+        observations = list(observations)
+        rules = self.ruleset.rules
+        hits: dict[int, list[Observation]] = defaultdict(list)
+        claimed: set[int] = set()                       # observations a non-fallback rule matched
+        for i, rule in enumerate(rules):
+            if rule.fallback:
+                continue
+            for n, obs in enumerate(observations):
+                if rule.applies_to(obs.check) and rule.when(obs.fields):
+                    hits[i].append(obs)
+                    claimed.add(n)
+        for i, rule in enumerate(rules):
+            if rule.fallback:
+                hits[i] = [obs for n, obs in enumerate(observations)
+                           if n not in claimed and rule.applies_to(obs.check) and rule.when(obs.fields)]
+        problems = []
+        for i in sorted(hits):
+            if not hits[i]:
+                continue
+            rule = rules[i]
+            if rule.escalates:
+                problem = self._escalate(rule, hits[i])
+                if problem is not None:
+                    problems.append(problem)
+            else:
+                problems.append(rule.problem(hits[i]))
+        return problems
+
+    def _escalate(self, rule: Rule, hits: list[Observation]) -> Problem | None:
+        history = self._history[rule.name]
+        for obs in hits:
+            history.append((obs.time, _gpu_key(obs), int(obs.fields.get("count") or 1), str(obs.fields.get("boot", ""))))
+        firing: list[Observation] = []
+        extra: dict[str, Any] = {}
+        for obs in hits:
+            key = _gpu_key(obs)
+            newest = max(t for t, k, _, _ in history if k == key)
+            since = newest - rule.window_s if rule.window_s is not None else float("-inf")
+            entries = [(c, b) for t, k, c, b in history if k == key and t >= since]
+            matches, boots = sum(c for c, _ in entries), len({b for _, b in entries})
+            if (rule.count is None or matches >= rule.count) and (rule.boots is None or boots >= rule.boots):
+                firing.append(obs)
+                extra = {"matches": matches, "boots_seen": boots}
+        return rule.problem(firing, extra) if firing else None
+
+
+def _gpu_key(obs: Observation) -> Any:
+    if obs.gpu is None:
+        return None
+    return obs.gpu.pci_bus_id or obs.gpu.uuid or obs.gpu.index

@@ -7,10 +7,12 @@ from pathlib import Path
 
 import pynvml
 
+from detector.backends.kernlog import CursorStore, KmsgReader
 from detector.backends.pci import SysfsPciBus
 from detector.backends.smi import SmiOutcome, SubprocessSmi
 from detector.core.inventory import nvml_error_name
 from detector.core.sweep import Host
+from fake_nvml.kmsg import FakeKmsgDevice
 from fake_nvml.node import FakeNode
 from fake_nvml.nvml import FakeNvml
 from fake_nvml.pci import FakePciBus
@@ -46,9 +48,12 @@ def fake_host(node: FakeNode, *, sysfs_root: Path | None = None, smi_command: li
         init_error = nvml_error_name(e)
     smi = SubprocessSmi(smi_command, smi_env) if smi_command else InProcessSmi(node)
     pci = SysfsPciBus(sysfs_root) if sysfs_root else FakePciBus(node)
+    kmsg = FakeKmsgDevice(node)
+    kernel_log = KmsgReader(kmsg, kmsg.boot_id, kmsg.boot_time, CursorStore(None), start="beginning")
 
     def close() -> None:
         if init_error is None:
             nvml.nvmlShutdown()
 
-    return Host(node.name, nvml, smi, pci, nvml_init_error=init_error, threaded=threaded, close=close)
+    return Host(node.name, nvml, smi, pci, nvml_init_error=init_error, kernel_log=kernel_log,
+                boot_id=kmsg.boot_id, threaded=threaded, close=close)

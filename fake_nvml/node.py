@@ -175,7 +175,7 @@ class FakeNode:
     def kernel_records(self, after_seq: int = -1) -> list[KernelRecord]:
         with self._lock:
             self._apply_due()
-            return [r for r in self._kernel if r.seq > after_seq]
+            return self._kernel[max(after_seq + 1, 0):]          # seq is the index
 
     def xid_events(self, after_seq: int = -1) -> list[XidEvent]:
         with self._lock:

@@ -68,7 +68,7 @@ def test_missing_gpu_is_named_by_its_bus_id(registry):
 
 def test_xid79_names_gpu_3_and_its_bus_id(registry):
     out = diagnose_scenario("h100-sxm-8-xid79", registry)
-    assert out.rules() == {"gpu-fell-off-bus"}
+    assert out.rules() == {"gpu-fell-off-bus", "xid-79"}      # NVML says lost; the kernel log says why
     problem = out.problems[0]
     assert [(g.index, g.pci_bus_id) for g in problem.gpus] == [(3, "0000:5d:00.0")]
     assert problem.action == "RESTART_BM"
@@ -82,8 +82,9 @@ def test_fault_injected_into_a_running_node_is_seen_by_the_next_sweep(registry):
     node.inject(Fault("xid", 6, {"code": 79}))
     node.inject(Fault("pcie", 1, {"width": 4}))
     out = diagnose_host(fake_host(node), registry)
-    assert out.rules() == {"gpu-fell-off-bus", "pcie-width-degraded"}
+    assert out.rules() == {"gpu-fell-off-bus", "xid-79", "pcie-width-degraded"}
     assert [g.index for g in out.by_rule()["gpu-fell-off-bus"].gpus] == [6]
+    assert [g.index for g in out.by_rule()["xid-79"].gpus] == [6]
     assert [g.index for g in out.by_rule()["pcie-width-degraded"].gpus] == [1]
     node.inject(Fault("recover"))
     assert diagnose_host(fake_host(node), registry).problems == []
@@ -95,7 +96,7 @@ def test_scheduled_fault_applies_when_its_time_comes(registry):
     node = FakeNode(state, [TimedFault(30, Fault("xid", 2, {"code": 79}))], clock=lambda: now[0])
     assert diagnose_host(fake_host(node), registry).problems == []
     now[0] = 31.0
-    assert diagnose_host(fake_host(node), registry).rules() == {"gpu-fell-off-bus"}
+    assert diagnose_host(fake_host(node), registry).rules() == {"gpu-fell-off-bus", "xid-79"}
 
 
 def test_pcie_generation_is_judged_only_while_busy(registry):
@@ -174,7 +175,7 @@ def test_diagnosis_through_sysfs_tree_and_subprocess_nvidia_smi(tmp_path, regist
     host = fake_host(node, sysfs_root=tmp_path / "sys", smi_command=[sys.executable, "-m", "fake_nvml.smi"],
                      smi_env={STATE_ENV: str(state_file)})
     out = diagnose_host(host, registry)
-    assert out.rules() == {"gpu-fell-off-bus"}
+    assert out.rules() == {"gpu-fell-off-bus", "xid-79"}
     visibility = next(r for r in out.sweep.runs if r.name == "visibility")
     assert visibility.result["smi_status"] == "ok" and visibility.result["smi_gpus"] == 7
 

@@ -64,8 +64,7 @@ def test_missing_gpu_exit_1_with_visibility_problem_naming_its_bus_id():
 def test_xid79_exit_1_names_gpu_3():
     code, report = diagnose_json("h100-sxm-8-xid79")
     assert code == 1
-    [problem] = report["problems"]
-    assert problem["gpus"] == [3] and problem["reason"] == "GpuFellOffBus"
+    assert {p["reason"]: p["gpus"] for p in report["problems"]} == {"GpuFellOffBus": [3], "Xid79GpuFellOffBus": [3]}
     assert report["gpus"][3]["error"] == "GpuIsLost"
 
 

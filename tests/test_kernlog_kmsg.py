@@ -8,7 +8,6 @@ import json
 import logging
 import os
 import time
-from pathlib import Path
 
 import pytest
 

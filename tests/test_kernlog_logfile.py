@@ -137,6 +137,19 @@ def test_copytruncate(tmp_path):
     assert reader.stats.truncations == 1 and reader.stats.rotations == 0
 
 
+def test_copytruncate_then_regrown_past_the_old_offset(tmp_path):
+    log = tmp_path / "kern.log"
+    log.write_text("Oct  6 17:59:27 first line\n")
+    reader = tail(log, start="beginning")
+    assert len(reader.read_available()) == 1
+    with open(log, "r+b") as f:
+        f.truncate(0)
+    append(log, "Oct  7 00:00:01 a new day, and a line longer than the old file\nsecond\n")
+    assert pairs(reader.read_available()) == [
+        (1, "Oct  7 00:00:01 a new day, and a line longer than the old file"), (2, "second")]
+    assert reader.stats.truncations == 1
+
+
 def test_restart_continues_from_the_cursor(tmp_path):
     log, cursor = tmp_path / "kern.log", tmp_path / "state" / "kern.json"
     log.write_text("old\n")

@@ -170,6 +170,12 @@ def test_rule_file_loads(ruleset):
     assert ruleset.types() == {"GpuXidError", "GpuNvSwitchError"}
 
 
+def test_known_fields_match_the_registered_xid_check():
+    """The field set this file is validated against is the check's own (needs the xid check registered)."""
+    from detector.core.check import CheckRegistry
+    assert CheckRegistry.from_entry_points().fields_by_check()["xid"] == KNOWN_FIELDS["xid"]
+
+
 @pytest.mark.parametrize("code", sorted(CATALOGUE))
 def test_catalogue_code_gives_one_problem_with_its_bucket(ruleset, code):
     p = only(evaluate(ruleset, fields(code)))

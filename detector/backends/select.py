@@ -31,6 +31,7 @@ def _real_host(node_name: str, sysfs_root: Path, nvidia_smi: str) -> Host:
 
     from detector.core.inventory import nvml_error_name
 
+    init_error = None
     try:
         pynvml.nvmlInit()
     except pynvml.NVMLError_LibraryNotFound:
@@ -38,9 +39,25 @@ def _real_host(node_name: str, sysfs_root: Path, nvidia_smi: str) -> Host:
                            "(to try gpu-npd without GPUs, use --nvml fake:h100-sxm-8)") from None
     except pynvml.NVMLError as e:
         # The library is there but unusable (driver not loaded, version mismatch): that is a node finding.
-        return Host(node_name, pynvml, SubprocessSmi([nvidia_smi]), SysfsPciBus(sysfs_root),
-                    nvml_init_error=nvml_error_name(e))
-    return Host(node_name, pynvml, SubprocessSmi([nvidia_smi]), SysfsPciBus(sysfs_root), close=_shutdown(pynvml))
+        init_error = nvml_error_name(e)
+    boot_id, kernel_log = live_kernel_log()
+    return Host(node_name, pynvml, SubprocessSmi([nvidia_smi]), SysfsPciBus(sysfs_root),
+                nvml_init_error=init_error, kernel_log=kernel_log, boot_id=boot_id,
+                close=_shutdown(pynvml) if init_error is None else (lambda: None))
+
+
+def live_kernel_log(start: str = "beginning", cursor_file: Path | None = None) -> tuple[str, Any]:
+    """This machine's kernel log: /dev/kmsg when readable, else the journal, else none."""
+    from detector.backends.kernlog import CursorStore, DevKmsg, JournaldReader, KmsgReader, KmsgUnavailable
+    from detector.backends.kernlog import boot_time, read_boot_id
+
+    boot_id = read_boot_id()         # None: unknown, so no saved cursor is ever trusted
+    cursor = CursorStore(cursor_file)
+    try:
+        return boot_id or "current", KmsgReader(DevKmsg(), boot_id, boot_time(), cursor, start=start)
+    except KmsgUnavailable:
+        journal = JournaldReader(cursor)
+        return boot_id or "current", journal if journal.available() else None
 
 
 def _shutdown(nvml: Any):

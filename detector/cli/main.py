@@ -70,6 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
                "  gpu-npd diagnose                                   # this node, real NVML\n"
                "  gpu-npd diagnose --nvml fake:h100-sxm-8-xid79 -o json\n"
                "  gpu-npd diagnose --checks pcie --rules builtin --rules my-rules.yaml\n"
+               "  gpu-npd diagnose --checks xid --kernel-log /var/log/kern.log   # post-mortem\n"
+               "  journalctl -k -b -1 | gpu-npd diagnose --checks xid --kernel-log -\n"
                "  gpu-npd scenarios                                  # fake nodes to try")
     d.add_argument("--nvml", default=os.environ.get("GPU_NPD_NVML", "real"), metavar="BACKEND",
                    help="real, fake:SCENARIO or fake:PATH.yaml (default: $GPU_NPD_NVML or real)")
@@ -81,6 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--config", type=Path, metavar="FILE", help="YAML settings: checks.<name>.<setting>")
     d.add_argument("--expect-gpus", type=int, metavar="N",
                    help="GPUs this node must have (default: as many as are on the PCI bus)")
+    d.add_argument("--kernel-log", metavar="FILE",
+                   help="post-mortem: scan this saved kernel log (dmesg, syslog, journalctl or kmsg format; "
+                        "'-' reads stdin) instead of the live one")
     d.add_argument("-o", "--output", choices=("table", "json"), default="table", help="default: table")
     d.add_argument("--node-name", default=os.environ.get("NODE_NAME"), help="default: $NODE_NAME or hostname")
     d.add_argument("--sysfs-root", type=Path, metavar="DIR", help="read the PCI bus under DIR (default: /sys)")
@@ -118,6 +123,10 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
             raise UsageError("--expect-gpus must be at least 1")
         settings = {**settings, "visibility": {**(settings.get("visibility") or {}),
                                                 "expected_gpus": args.expect_gpus}}
+    if args.kernel_log:
+        if args.kernel_log != "-" and not Path(args.kernel_log).is_file():
+            raise UsageError(f"--kernel-log {args.kernel_log}: no such file")
+        settings = {**settings, "xid": {**(settings.get("xid") or {}), "kernel_log_file": args.kernel_log}}
     selected = [n.strip() for n in args.checks.split(",") if n.strip()] if args.checks else None
     checks = build_checks(registry, selected, settings, settings_file)
     host = open_host(args.nvml, node_name=args.node_name, sysfs_root=args.sysfs_root, nvidia_smi=args.nvidia_smi)

@@ -148,7 +148,7 @@ class JournaldReader:
             if status == "ok":
                 self._end_known = True    # with no kernel entry at all, everything from now on is new
             lines = []
-        if used_cursor and status == "failed" and not stdout:
+        if used_cursor and status == "exit" and not stdout:
             self._failures_in_a_row += 1  # e.g. "Failed to seek to cursor": retrying it forever gets nowhere
             if self._failures_in_a_row >= RESET_AFTER_FAILURES:
                 self._reset_cursor()
@@ -159,7 +159,8 @@ class JournaldReader:
         return lines
 
     def _run(self, argv: list[str]) -> tuple[bytes, str]:
-        """(stdout, "ok" | "timeout" | "failed"); on a timeout, the whole lines written before it."""
+        """(stdout, status): "ok"; "exit" (ran, exited non-zero); "timeout" (stdout: the whole lines
+        written before it); "not_run" (missing binary, no permission)."""
         self.stats.runs += 1
         try:
             proc = self.runner(argv, stdin=subprocess.DEVNULL, capture_output=True, timeout=self.timeout_s,
@@ -172,13 +173,13 @@ class JournaldReader:
         except (OSError, ValueError, subprocess.SubprocessError) as e:
             self.stats.failures += 1
             log.warning("cannot run %s: %s", self.journalctl, e)
-            return b"", "failed"
+            return b"", "not_run"
         stdout = _bytes(proc.stdout)
         if proc.returncode != 0:
             self.stats.failures += 1
             err = _bytes(proc.stderr).decode("utf-8", "replace").strip()[:300]
             log.warning("%s exited with %s: %s", self.journalctl, proc.returncode, err)
-            return stdout, "failed"
+            return stdout, "exit"
         return stdout, "ok"
 
     def _parse(self, stdout: bytes) -> list[LogLine]:

@@ -59,7 +59,7 @@ class DevKmsg:
     def fileno(self) -> int:
         """For poll/select: /dev/kmsg is readable when a record is waiting."""
         if self._fd is None:
-            raise ValueError(f"{self.path} is closed")
+            raise OSError(errno.EBADF, "the kernel log was closed", self.path)
         return self._fd
 
     def read_record(self) -> bytes:
@@ -258,19 +258,20 @@ class KmsgReader:
                 self.stats.errors += 1
                 log.warning("cannot read the kernel log: %s", e)
                 break
+            last = self._last_seq
+            if last is not None:
+                seq = _record_seq(raw)       # cheap check first: after a restart most records are old
+                if seq is not None and seq <= last:
+                    self.stats.skipped += 1
+                    continue
             line = parse_record(raw, self.boot_id, self.boot_time)
             if line is None:
                 self.stats.malformed += 1
                 continue
             seq = line.seq
             assert seq is not None
-            last = self._last_seq
-            if last is not None:
-                if seq <= last:
-                    self.stats.skipped += 1
-                    continue
-                if seq > last + 1:
-                    self.stats.lost_records += seq - last - 1
+            if last is not None and seq > last + 1:
+                self.stats.lost_records += seq - last - 1
             self._last_seq = seq
             out.append(line)
         self.stats.records += len(out)

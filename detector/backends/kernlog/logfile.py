@@ -153,12 +153,16 @@ class LogFileTail:
     # -- following the path ---------------------------------------------------------------------
 
     def _check_truncation(self, of: _OpenFile) -> None:
+        """Shrunk below what was read, or its first bytes replaced (truncated, then rewritten past the old
+        offset before this check): either way the file starts over."""
         try:
             size = os.fstat(of.f.fileno()).st_size
+            replaced = size >= of.pos and of.head_len > 0 and (
+                _fingerprint(os.pread(of.f.fileno(), of.head_len, 0)) != of.head)
         except OSError as e:
             self._error(f"cannot stat {self.path}", e)
             return
-        if size >= of.pos:
+        if size >= of.pos and not replaced:
             return
         self.stats.truncations += 1
         try:

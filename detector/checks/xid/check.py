@@ -134,7 +134,7 @@ class XidCheck(Check):
             if parsed is None:
                 continue
             boot = "" if isinstance(parsed, UuidMapping) else (line.boot_id or self._boots.see(parsed))
-            run.take(parsed, line.lineno, boot, line.text, line.realtime, "kernel")
+            run.take(parsed, line.lineno, boot, line.text, line.realtime, "kernel", line.seq)
         return getattr(reader, "name", type(reader).__name__)
 
     def _scan_file(self, path: str, run: "_Run") -> None:
@@ -179,7 +179,7 @@ class _Run:
         self.lines = 0
 
     def take(self, parsed: Any, lineno: int | None, boot: str, text: str | None, when: float | None,
-             source: str) -> None:
+             source: str, seq: int | None = None) -> None:
         if isinstance(parsed, UuidMapping):
             self.check._uuids[parsed.pci_bus_id] = parsed.uuid
             return
@@ -192,7 +192,7 @@ class _Run:
         duplicate = recent.has_other(source, event.kind, event.code, event.pci_bus_id, now)
         recent.add(source, event.kind, event.code, event.pci_bus_id, now)
         if source == "kernel":
-            self._list(event, lineno, text)
+            self._list(event, lineno, seq)
         if duplicate:
             group = self.aggregator.find(event.kind, event.code, event.pci_bus_id)
             if group is not None:
@@ -200,7 +200,7 @@ class _Run:
             return
         self.aggregator.add(event, boot, lineno, source, when)
 
-    def _list(self, event: KernelEvent, lineno: int | None, text: str | None) -> None:
+    def _list(self, event: KernelEvent, lineno: int | None, seq: int | None) -> None:
         if len(self.events) >= self.check.config["max_kernel_events"]:
             self.omitted += 1
             return
@@ -209,5 +209,5 @@ class _Run:
             "kind": event.kind, "code": event.code, "pci_bus_id": event.pci_bus_id, "pid": event.pid,
             "process_name": event.process_name or None,
             "gpu": {"index": gpu.index, "uuid": gpu.uuid} if gpu.index is not None or gpu.uuid else None,
-            "line": lineno,
+            "line": lineno, "seq": seq,
         })

@@ -15,8 +15,10 @@ from datetime import datetime, timezone
 
 from detector.core.pciaddr import normalize_bus_id
 
-# Cheap tests that reject the uninteresting 99.99% of lines before any regex runs.
+# Cheap tests that reject the uninteresting 99.99% of lines before any regex runs, and then the
+# other NVRM lines (driver banners, warnings) before the wrapper regex.
 PREFILTER = ("NVRM", "SXid")
+_CANDIDATES = ("NVRM: Xid", "NVRM: GPU ", "SXid (", "Linux version ")
 
 _BUS = r"(?:PCI:)?(?P<bus>[0-9a-fA-F]{4,8}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2}(?:\.[0-7])?|[0-9a-fA-F]{2}:[0-9a-fA-F]{2}(?:\.[0-7])?)"
 _WRAPPER = re.compile(
@@ -41,7 +43,9 @@ _FATAL = re.compile(r"\b(Fatal|Non-?fatal|Nonfatal)\b", re.IGNORECASE)
 _RECOVERY = re.compile(r"GPU recovery action changed from 0x[0-9a-fA-F]+ \([^)]*\) to 0x[0-9a-fA-F]+ \((?P<to>[^)]*)\)")
 _SXID_DETAIL = re.compile(r"^(?:Severity \d+ Engine instance|Data \{)")
 
-RECOVERY_ACTIONS = {"none": "NONE", "gpu reset": "RESET_GPU", "reset": "RESET_GPU", "node reboot": "RESTART_BM",
+# XID 154's labels (NVIDIA's catalogue writes "GPU Reset Required", "Node Reboot Required", ...).
+RECOVERY_ACTIONS = {"none": "NONE", "gpu reset": "RESET_GPU", "gpu reset required": "RESET_GPU",
+                    "reset": "RESET_GPU", "node reboot": "RESTART_BM", "node reboot required": "RESTART_BM",
                     "reboot": "RESTART_BM", "drain p2p": "DRAIN_P2P", "drain and reset": "DRAIN_AND_RESET"}
 
 
@@ -80,7 +84,7 @@ class BootBanner:
 
 def parse_line(line: str, year: int | None = None) -> KernelEvent | UuidMapping | BootBanner | None:
     """An XID/SXid event, a bus-id-to-UUID mapping, a boot banner, or None for every other line."""
-    if not might_match(line) and "Linux version " not in line:
+    if not any(c in line for c in _CANDIDATES):
         return None
     w = _WRAPPER.match(line.rstrip("\r\n"))
     if w is None or (w["kpri"] is not None and int(w["kpri"]) >= 8):    # kmsg facility must be kernel (0)

@@ -14,8 +14,8 @@ from detector.checks.xid.parser import BootBanner, KernelEvent, UuidMapping, par
 
 # Every XID, fallen-off-the-bus and UUID line holds NVRM; every NVSwitch line SXid. (Boot banners are
 # not searched for: a third pass costs a third more time; boots show as monotonic time going back.)
-NEEDLES = (b"NVRM", b"SXid")
-CHUNK = 8 * 1024 * 1024
+NEEDLES = (b"NVRM", b"SXid (")
+CHUNK = 1024 * 1024              # big enough that per-chunk overhead vanishes; small for RSS
 
 Parsed = KernelEvent | UuidMapping | BootBanner
 OnLine = Callable[[int, Parsed, str], None]          # (1-based line number, parsed, raw line)
@@ -29,32 +29,47 @@ class ScanStats:
 
 
 def scan_stream(stream: BinaryIO, on_line: OnLine, year: int | None = None, chunk_size: int = CHUNK) -> ScanStats:
-    """Call `on_line` for every XID/SXid/UUID line, in input order. Memory: about two chunks."""
+    """Call `on_line` for every XID/SXid/UUID line, in input order. Memory: one chunk plus one line."""
     stats = ScanStats()
-    carry = b""
+    buf = bytearray(chunk_size)
+    view = memoryview(buf)
+    held = 0                               # bytes of an unfinished line kept at the front of buf
     lines_before = 0                       # newlines in all buffers already finished
     while True:
-        data = stream.read(chunk_size)
-        final = not data
-        buf = carry + data if carry else data
+        if held == len(buf):               # one enormous line: make room rather than lose it
+            view.release()
+            buf.extend(bytes(len(buf)))
+            view = memoryview(buf)
+        got = stream.readinto(view[held:]) if hasattr(stream, "readinto") else _read_into(stream, view, held)
+        filled = held + (got or 0)
+        final = not got
         if final:
-            if not carry:
+            if held == 0:
                 break
-            buf += b"\n"                   # a last line without its newline still counts
-        end = buf.rfind(b"\n") + 1
-        if end == 0:                       # one enormous line so far: keep reading
-            carry = buf
+            if buf[filled - 1:filled] != b"\n":
+                buf[filled:filled + 1] = b"\n"  # a last line without its newline still counts
+                filled += 1
+        end = buf.rfind(b"\n", 0, filled) + 1
+        if end == 0:
+            held = filled
             continue
-        stats.bytes += end - (1 if final else 0)
+        stats.bytes += end
         lines_before = _scan_buffer(buf, end, lines_before, on_line, year, stats)
-        carry = buf[end:]
+        held = filled - end
+        buf[:held] = buf[end:filled]
         if final:
             break
     stats.lines = lines_before
     return stats
 
 
-def _scan_buffer(buf: bytes, end: int, lines_before: int, on_line: OnLine, year: int | None,
+def _read_into(stream: BinaryIO, view: memoryview, start: int) -> int:
+    data = stream.read(len(view) - start)
+    view[start:start + len(data)] = data
+    return len(data)
+
+
+def _scan_buffer(buf: bytearray, end: int, lines_before: int, on_line: OnLine, year: int | None,
                  stats: ScanStats) -> int:
     starts = set()
     for needle in NEEDLES:

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import sys
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from detector.backends.kernlog.records import is_kernel
 from detector.checks.xid.aggregate import XidAggregator, gpu_for
 from detector.checks.xid.nvml_events import NvmlXidListener
 from detector.checks.xid.parser import BootBanner, KernelEvent, UuidMapping, parse_line
@@ -60,18 +60,22 @@ class _Boots:
 
 @dataclass
 class _Recent:
-    """(source, kind, code, bus) seen lately, so one XID seen by both sources counts once."""
+    """When each source last saw each (kind, code, bus), so one XID seen by both sources counts once.
+    Constant time per line, even in a flood; bounded by the number of distinct XIDs."""
 
     window_s: float
-    seen: deque = field(default_factory=deque)
+    seen: dict[tuple[str, int, str], dict[str, float]] = field(default_factory=dict)
+    limit: int = 4096
 
     def add(self, source: str, kind: str, code: int, bus: str, now: float) -> None:
-        self.seen.append((now, source, kind, code, bus))
+        key = (kind, code, bus)
+        if key not in self.seen and len(self.seen) >= self.limit:
+            self.seen.pop(next(iter(self.seen)))
+        self.seen.setdefault(key, {})[source] = now
 
     def has_other(self, source: str, kind: str, code: int, bus: str, now: float) -> bool:
-        while self.seen and self.seen[0][0] < now - self.window_s:
-            self.seen.popleft()
-        return any(s != source and (k, c, b) == (kind, code, bus) for _, s, k, c, b in self.seen)
+        by_source = self.seen.get((kind, code, bus), {})
+        return any(s != source and now - t <= self.window_s for s, t in by_source.items())
 
 
 class XidCheck(Check):
@@ -100,8 +104,8 @@ class XidCheck(Check):
         gpus = {g.pci_bus_id: g.ref() for g in ctx.inventory.gpus if g.pci_bus_id}
         self._uuids.update({g.pci_bus_id: g.uuid for g in ctx.inventory.gpus if g.pci_bus_id and g.uuid})
         run = _Run(self, gpus)
+        nvml_count = self._read_nvml(ctx, run)          # first: its listen window may let log lines land
         source = self._read_kernel_log(ctx, run)
-        nvml_count = self._read_nvml(ctx, run)
         observations = [Observation(self.name, g.fields(), gpu_for(g.first.pci_bus_id, gpus, self._uuids),
                                     g.last_time or time.time())
                         for g in run.aggregator.groups.values()]
@@ -128,7 +132,7 @@ class XidCheck(Check):
             return "none"
         for line in reader.read_available():
             run.lines += 1
-            if line.priority is not None and line.priority >> 3 != 0:
+            if not is_kernel(line):
                 continue                         # written by a user-space program, not the kernel
             parsed = parse_line(line.text)
             if parsed is None:

@@ -10,6 +10,7 @@ or a container log quoting one is never an event.
 from __future__ import annotations
 
 import re
+from functools import lru_cache
 from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 
@@ -94,13 +95,19 @@ def parse_line(line: str, year: int | None = None) -> KernelEvent | UuidMapping 
         return BootBanner()
     if not msg.startswith(("NVRM: ", "nvidia-nvswitch")):
         return None
-    event = parse_message(msg)
+    event = _parse_message_cached(msg)
     if event is None or isinstance(event, UuidMapping):
         return event
     mono = next((float(v) for v in (w["mono"], w["xmono"], w["smono"], w["rmono"]) if v), None)
     if mono is None and w["kusec"]:
         mono = int(w["kusec"]) / 1e6
     return _with_time(event, _wall_time(w, year), mono)
+
+
+@lru_cache(maxsize=1024)
+def _parse_message_cached(msg: str) -> KernelEvent | UuidMapping | None:
+    """In a flood the same message repeats under new timestamps: parse it once (results are frozen)."""
+    return parse_message(msg)
 
 
 def parse_message(msg: str) -> KernelEvent | UuidMapping | None:

@@ -1,0 +1,208 @@
+"""The xid check end to end: kernel log and NVML events, deduplication, floods, escalation, reports."""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import REPO, diagnose_host, node_for
+from detector.checks.xid import XidCheck
+from detector.core.sweep import run_sweep
+from fake_nvml.faults import Fault
+from fake_nvml.host import fake_host
+from fake_nvml.node import FakeNode, TimedFault
+
+XID79_KERNEL = Fault("xid", 3, {"code": 79, "via": "kernel"})
+
+
+def uuid_of(node: FakeNode, index: int) -> str:
+    return node.snapshot().gpus[index].uuid
+
+
+def test_xid79_from_the_kernel_log_is_one_critical_problem_naming_gpu_uuid_bus_and_action(registry):
+    node = node_for("h100-sxm-8")
+    node.inject(XID79_KERNEL)
+    out = diagnose_host(fake_host(node), registry, checks=["xid"])
+    [problem] = out.problems
+    assert problem.rule == "xid-79" and problem.report == "condition" and problem.severity.value == "critical"
+    [gpu] = problem.gpus
+    assert (gpu.index, gpu.uuid, gpu.pci_bus_id) == (3, uuid_of(node, 3), "0000:5d:00.0")
+    assert problem.action == "RESTART_BM"
+    assert uuid_of(node, 3) in problem.message and "0000:5d:00.0" in problem.message
+    assert "Recommended action: RESTART_BM" in problem.message
+
+
+def test_xid79_from_an_nvml_event_alone_is_the_same_problem(registry):
+    state = node_for("h100-sxm-8").snapshot()
+    node = FakeNode(state, [TimedFault(0.3, Fault("xid", 3, {"code": 79, "via": "nvml"}))])
+    out = diagnose_host(fake_host(node), registry, checks=["xid"], settings={"xid": {"listen_s": 3.0}})
+    assert node.kernel_records()[-1].message.startswith("NVRM: GPU at")      # nothing in the kernel log
+    [problem] = out.problems
+    assert problem.rule == "xid-79"
+    [gpu] = problem.gpus
+    assert (gpu.index, gpu.uuid, gpu.pci_bus_id) == (3, state.gpus[3].uuid, "0000:5d:00.0")
+    run = out.sweep.runs[0]
+    assert run.result["nvml_events"] == 1
+    [obs] = run.observations
+    assert obs.fields["source"] == "nvml"
+
+
+def test_one_xid_seen_by_both_sources_counts_once(registry):
+    state = node_for("h100-sxm-8").snapshot()
+    node = FakeNode(state, [TimedFault(0.2, Fault("xid", 5, {"code": 48}))])     # kernel line and event
+    host = fake_host(node)
+    check = XidCheck({"listen_s": 2.0})
+    sweep = run_sweep(host, [check])
+    [obs] = sweep.runs[0].observations
+    assert obs.fields["code"] == 48 and obs.fields["count"] == 1
+    assert obs.fields["source"] == "both"
+    assert [e["code"] for e in sweep.runs[0].result["kernel_events"]] == [48]
+
+
+def test_the_other_source_arriving_a_run_later_is_not_counted_again(registry):
+    node = node_for("h100-sxm-8")
+    host = fake_host(node)
+    check = XidCheck()
+    assert run_sweep(host, [check]).runs[0].observations == []          # registers for NVML events
+    node.inject(Fault("xid", 5, {"code": 48, "via": "nvml"}))
+    [first] = run_sweep(host, [check]).runs[0].observations
+    assert first.fields["source"] == "nvml"
+    node.inject(Fault("kernel_line", None, {"message": "NVRM: Xid (PCI:0000:ab:00): 48, pid=1, name=x, DBE"}))
+    later = run_sweep(host, [check]).runs[0]
+    assert later.observations == []                                     # the same XID, already counted
+    assert [e["code"] for e in later.result["kernel_events"]] == [48]   # but still listed
+
+
+def test_a_restarted_check_on_the_same_stream_reports_nothing_twice(registry):
+    node = node_for("h100-sxm-8")
+    node.inject(Fault("xid", 1, {"code": 13}))
+    host = fake_host(node)
+    check = XidCheck()
+    first = run_sweep(host, [check]).runs[0]
+    assert [o.fields["code"] for o in first.observations] == [13]
+    assert run_sweep(host, [check]).runs[0].observations == []          # nothing new
+    node.inject(Fault("xid", 2, {"code": 31}))
+    third = run_sweep(host, [check]).runs[0]
+    assert [(o.fields["code"], o.gpu.index) for o in third.observations] == [(31, 2)]
+
+
+def test_user_space_lines_in_kmsg_are_not_xids(registry):
+    from fake_nvml.kmsg import FakeKmsgDevice
+    node = node_for("h100-sxm-8")
+    FakeKmsgDevice(node).write("NVRM: Xid (PCI:0000:5d:00): 79, GPU has fallen off the bus.")   # echo > /dev/kmsg
+    out = diagnose_host(fake_host(node), registry, checks=["xid"])
+    assert out.problems == []
+
+
+def _log(lines: list[str]) -> str:
+    return "".join(line + "\n" for line in lines)
+
+
+def test_saved_log_post_mortem_lists_every_xid_line_in_input_order(tmp_path, registry):
+    log = tmp_path / "kern.log"
+    log.write_text(_log([
+        "[    5.000000] NVRM: GPU at PCI:0000:5d:00: GPU-11111111-2222-3333-4444-555555555555",
+        "[   10.000000] eth0: link up",
+        "[   11.000000] NVRM: Xid (PCI:0000:5d:00): 13, pid=4242, name=python3, Graphics Exception",
+        "[   12.000000] nvidia-nvswitch1: SXid (PCI:0000:06:00.0): 20034, Fatal, Link 30 LTSSM Fault Up",
+        "[   13.000000] NVRM: Xid (PCI:0000:5d:00): 79, pid='<unknown>', name=<unknown>, GPU has fallen off the bus.",
+        "[   14.000000] NVRM: Xid (PCI:0000:18:00): 999, something new",
+    ]))
+    proc = subprocess.run([sys.executable, "-m", "detector.cli.main", "diagnose", "--nvml", "fake:h100-sxm-8",
+                           "--checks", "xid", "--kernel-log", str(log), "-o", "json"],
+                          capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert proc.returncode == 1, proc.stderr
+    report = json.loads(proc.stdout)
+    xid = report["checks"][0]
+    events = xid["result"]["kernel_events"]
+    assert [(e["kind"], e["code"], e["line"]) for e in events] == [
+        ("xid", 13, 3), ("sxid", 20034, 4), ("xid", 79, 5), ("xid", 999, 6)]
+    assert events[0]["pid"] == 4242 and events[0]["process_name"] == "python3"
+    assert events[0]["pci_bus_id"] == "0000:5d:00.0" and events[0]["gpu"]["index"] == 3
+    rules = {p["rule"]: p for p in report["problems"]}
+    assert set(rules) == {"xid-13", "sxid-fatal", "xid-79", "xid-unknown"}
+    assert rules["xid-13"]["report"] == "event" and rules["xid-79"]["report"] == "condition"
+    assert "999" in rules["xid-unknown"]["message"] and "something new" in rules["xid-unknown"]["message"]
+
+
+def test_stdin_post_mortem(registry):
+    line = "Oct  6 17:59:27 host kernel: NVRM: Xid (PCI:0000:2a:00): 48, pid=1, name=x, DBE\n"
+    proc = subprocess.run([sys.executable, "-m", "detector.cli.main", "diagnose", "--nvml", "fake:h100-sxm-8",
+                           "--checks", "xid", "--kernel-log", "-", "-o", "json"], input=line,
+                          capture_output=True, text=True, cwd=REPO, timeout=60)
+    report = json.loads(proc.stdout)
+    assert [(p["rule"], p["gpus"]) for p in report["problems"]] == [("xid-48", [1])]
+
+
+def test_a_flood_of_identical_lines_is_one_observation_and_a_few_problems(tmp_path, registry):
+    flood = "[ 100.000000] NVRM: Xid (PCI:0000:5d:00): 95, pid=7, name=python3, Uncontained: FBHUB. RST: Yes\n"
+    path = tmp_path / "flood.log"
+    with path.open("w") as f:
+        for i in range(50):
+            f.write("[  99.000000] noise line of some driver\n" * 100)
+            f.write(flood * 4000)
+    out = diagnose_host(fake_host(node_for("h100-sxm-8")), registry, checks=["xid"],
+                        settings={"xid": {"kernel_log_file": str(path), "max_kernel_events": 100}})
+    run = out.sweep.runs[0]
+    [obs] = run.observations
+    assert obs.fields["count"] == 200_000 and obs.fields["line"] == 101
+    assert len(run.result["kernel_events"]) == 100 and run.result["kernel_events_omitted"] == 199_900
+    assert out.rules() == {"xid-95", "xid-fatal-repeated"}
+    repeated = out.by_rule()["xid-fatal-repeated"]
+    assert "200000" in repeated.message
+
+
+def test_application_xids_repeated_escalate(tmp_path, registry):
+    path = tmp_path / "k.log"
+    path.write_text(_log([
+        "[ 10.0] NVRM: Xid (PCI:0000:9a:00): 13, pid=1, name=a, Graphics Exception",
+        "[ 20.0] NVRM: Xid (PCI:0000:9a:00): 31, pid=2, name=b, MMU Fault",
+    ]))
+    out = diagnose_host(fake_host(node_for("h100-sxm-8")), registry, checks=["xid"],
+                        settings={"xid": {"kernel_log_file": str(path)}})
+    assert out.rules() == {"xid-13", "xid-31", "xid-application-errors-repeated"}
+    assert [g.index for g in out.by_rule()["xid-application-errors-repeated"].gpus] == [4]
+
+
+def test_a_fatal_xid_recurring_after_a_reboot_escalates(tmp_path, registry):
+    path = tmp_path / "k.log"
+    path.write_text(_log([
+        "[ 500.0] NVRM: Xid (PCI:0000:ab:00): 48, pid=1, name=a, DBE",
+        "[   0.0] Linux version 6.8.0 (builder@host) #1 SMP",
+        "[ 300.0] NVRM: Xid (PCI:0000:ab:00): 48, pid=1, name=a, DBE",
+    ]))
+    out = diagnose_host(fake_host(node_for("h100-sxm-8")), registry, checks=["xid"],
+                        settings={"xid": {"kernel_log_file": str(path)}})
+    boots = {o.fields["boot"] for o in out.sweep.runs[0].observations}
+    assert len(boots) == 2
+    assert "xid-48-recurring-after-reboot" in out.rules()
+    assert out.by_rule()["xid-48-recurring-after-reboot"].action == "CONTACT_SUPPORT"
+
+
+def test_xid_154_takes_its_action_from_the_line(tmp_path, registry):
+    path = tmp_path / "k.log"
+    path.write_text(_log(["NVRM: Xid (PCI:0000:db:00): 154, GPU recovery action changed from 0x0 (None) to "
+                          "0x2 (Node Reboot Required)"]))
+    out = diagnose_host(fake_host(node_for("h100-sxm-8")), registry, checks=["xid"],
+                        settings={"xid": {"kernel_log_file": str(path)}})
+    [problem] = out.problems
+    assert problem.rule == "xid-154" and problem.action == "RESTART_BM" and problem.gpus[0].index == 7
+
+
+def test_unreadable_saved_log_is_a_check_error_not_a_crash(tmp_path, registry):
+    out = diagnose_host(fake_host(node_for("h100-sxm-8")), registry, checks=["xid"],
+                        settings={"xid": {"kernel_log_file": str(tmp_path / "missing.log")}})
+    assert out.sweep.runs[0].status == "error"
+    assert "cannot read kernel log" in out.sweep.runs[0].error
+    assert out.rules() == {"check-failed"}
+
+
+def test_cli_refuses_a_missing_kernel_log_file(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "detector.cli.main", "diagnose", "--nvml", "fake:h100-sxm-8",
+                           "--kernel-log", str(tmp_path / "nope.log")], capture_output=True, text=True, cwd=REPO)
+    assert proc.returncode == 2 and "no such file" in proc.stderr

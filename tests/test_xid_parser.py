@@ -379,12 +379,8 @@ def test_look_alike_is_not_an_event(line):
 
 
 # --------------------------------------------------------------------------------------------------
-# Bugs found while writing these tests
+# Once bugs: user-space <PRI>, PCI domains above 0xffff
 # --------------------------------------------------------------------------------------------------
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG parser: the optional leading `<PRI>` (dmesg -r, /proc/kmsg) is peeled without looking at its "
-    "facility, so a user-space record (`<12>` = user.warning) counts as a kernel line, unlike the kmsg "
-    "`12,...;` record which is rejected"))
 @pytest.mark.parametrize("line", [
     pytest.param(f"<12>[  123.456789] {X79}", id="dmesg-r-user-facility"),
     pytest.param(f"<14>{X79}", id="pri-user-facility"),
@@ -393,24 +389,18 @@ def test_raw_pri_with_user_facility_is_not_an_event(line):
     assert parse_line(line, year=YEAR) is None
 
 
-@pytest.mark.xfail(strict=True, raises=ValueError, reason=(
-    "BUG parser: a PCI domain above 0xffff (Intel VMD domains start at 10000) matches _BUS but "
-    "normalize_bus_id raises ValueError, which escapes parse_line instead of it returning an event or None"))
-def test_domain_above_ffff_does_not_raise():
+def test_domain_above_ffff_is_an_event_with_the_full_domain():
     got = parse_line("[  123.456789] NVRM: Xid (PCI:10000:e1:00): 79, GPU has fallen off the bus.")
-    assert got is None or isinstance(got, KernelEvent)
+    assert isinstance(got, KernelEvent) and got.pci_bus_id == "10000:e1:00.0"
 
 
-@pytest.mark.xfail(strict=True, raises=ValueError, reason=(
-    "BUG parser/scan: one XID line with a PCI domain above 0xffff makes scan_stream raise, so the events "
-    "after it in the log are never reported"))
 def test_scan_survives_domain_above_ffff():
     data = (f"[  1.0] {X79}\n"
             "[  2.0] NVRM: Xid (PCI:00010000:e1:00): 79, GPU has fallen off the bus.\n"
             f"[  3.0] {X79}\n").encode()
     got = []
     scan_stream(io.BytesIO(data), lambda n, p, t: got.append(n), year=YEAR)
-    assert got[0] == 1 and got[-1] == 3
+    assert got == [1, 2, 3]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -592,3 +582,18 @@ def test_scan_skips_boot_banners_by_design():
     data = f"[    0.000000] Linux version 6.8.0-45-generic #45-Ubuntu SMP\n[  1.0] {X79}\n".encode()
     got, _ = _scan(io.BytesIO(data), 4096)
     assert [n for n, _, _ in got] == [2]
+
+
+@pytest.mark.parametrize("line, code, bus", [
+    ("kern  :err   : 2025-01-25T10:34:54,859532+00:00 nvidia-nvswitch1: SXid (PCI:0000:05:00.0): 12028, "
+     "Non-fatal, Link 32 egress non-posted PRIV error (First)", 12028, "0000:05:00.0"),
+    ("2025-01-25T10:34:54,859532+00:00 NVRM: Xid (PCI:0000:01:00): 79, GPU has fallen off the bus.", 79,
+     "0000:01:00.0"),
+    ("[  123.456789] [ T1234] NVRM: Xid (PCI:0000:01:00): 13, pid=1, name=x, Graphics Exception", 13,
+     "0000:01:00.0"),
+    ("Oct 6 17:59:27 host kernel: NVRM: Xid (PCI:0000:3b:00): 31, pid=1, name=x, MMU Fault", 31, "0000:3b:00.0"),
+    ("NVRM: GPU at 0000:01:00.0 has fallen off the bus.", 79, "0000:01:00.0"),
+])
+def test_more_wrappers_and_spellings(line, code, bus):
+    got = parse_line(line, year=YEAR)
+    assert isinstance(got, KernelEvent) and (got.code, got.pci_bus_id) == (code, bus)

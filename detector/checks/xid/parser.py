@@ -23,13 +23,14 @@ _CANDIDATES = ("NVRM: Xid", "NVRM: GPU ", "SXid (", "Linux version ")
 
 _BUS = r"(?:PCI:)?(?P<bus>[0-9a-fA-F]{4,8}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2}(?:\.[0-7])?|[0-9a-fA-F]{2}:[0-9a-fA-F]{2}(?:\.[0-7])?)"
 _WRAPPER = re.compile(
-    r"^(?:<\d{1,3}>)?"
+    r"^(?:<(?P<lpri>\d{1,3})>)?"                                                    # dmesg -r
     r"(?:"
     r"(?P<kpri>\d{1,4}),(?P<kseq>\d+),(?P<kusec>\d+),[^;]*;"                           # /dev/kmsg record
-    r"|\[\s*(?P<mono>\d+\.\d+)\]\s"                                                   # dmesg
+    r"|(?:kern\s*:\s*\w+\s*:\s*)?(?P<itime>\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d,\d+[+-]\d\d:\d\d) "  # dmesg --time-format iso
+    r"|\[\s*(?P<mono>\d+\.\d+)\]\s(?:\[\s*[TC]\d+\]\s)?"                              # dmesg (with caller id)
     r"|\[(?P<ctime>\w{3} \w{3} [ \d]\d \d\d:\d\d:\d\d \d{4})\]\s"                     # dmesg -T
     r"|kern\s*:\s*\w+\s*:\s*(?:\[\s*(?P<xmono>\d+\.\d+)\]\s)?"                          # dmesg -x
-    r"|(?P<stime>\w{3} [ \d]\d \d\d:\d\d:\d\d(?:\.\d+)?) \S+ kernel: ?(?:\[\s*(?P<smono>\d+\.\d+)\]\s)?"  # syslog
+    r"|(?P<stime>\w{3} +\d{1,2} \d\d:\d\d:\d\d(?:\.\d+)?) \S+ kernel: ?(?:\[\s*(?P<smono>\d+\.\d+)\]\s)?"  # syslog
     r"|(?P<rtime>\d{4}-\d\d-\d\d[T ]\d\d:\d\d:\d\d(?:[.,]\d+)?(?:Z|[+-]\d\d:?\d\d)?) \S+ kernel: ?"
     r"(?:\[\s*(?P<rmono>\d+\.\d+)\]\s)?"                                              # RFC 3339 syslog
     r")?"
@@ -37,7 +38,7 @@ _WRAPPER = re.compile(
 )
 _XID = re.compile(r"^NVRM: Xid \(" + _BUS + r"\): (?P<code>\d{1,3}),(?: (?P<rest>.*))?$")
 _PID = re.compile(r"^pid=(?P<pid>'<unknown>'|\d+), name=(?P<name><unknown>|[^,]*), ?(?P<rest>.*)$")
-_FELL_OFF = re.compile(r"^NVRM: GPU (?:at )?" + _BUS + r": GPU has fallen off the bus\.?")
+_FELL_OFF = re.compile(r"^NVRM: GPU (?:at )?" + _BUS + r":? (?:GPU )?has fallen off the bus")
 _SXID = re.compile(r"^nvidia-nvswitch(?P<switch>\d+): SXid \(" + _BUS + r"\): (?P<code>\d{1,5}),(?: (?P<rest>.*))?$")
 _UUID = re.compile(r"^NVRM: GPU at " + _BUS + r": (?P<uuid>GPU-[0-9a-fA-F-]{36})\s*$")
 _FATAL = re.compile(r"\b(Fatal|Non-?fatal|Nonfatal)\b", re.IGNORECASE)
@@ -88,8 +89,8 @@ def parse_line(line: str, year: int | None = None) -> KernelEvent | UuidMapping 
     if not any(c in line for c in _CANDIDATES):
         return None
     w = _WRAPPER.match(line.rstrip("\r\n"))
-    if w is None or (w["kpri"] is not None and int(w["kpri"]) >= 8):    # kmsg facility must be kernel (0)
-        return None
+    if w is None or any(p is not None and int(p) >= 8 for p in (w["kpri"], w["lpri"])):
+        return None                       # a facility other than the kernel's (0): written by user space
     msg = w["msg"]
     if msg.startswith("Linux version "):
         return BootBanner()
@@ -148,8 +149,8 @@ def _fatal(text: str) -> bool | None:
 
 def _wall_time(w: re.Match, year: int | None) -> float | None:
     try:
-        if w["rtime"]:
-            text = w["rtime"].replace(",", ".").replace(" ", "T", 1)
+        if w["rtime"] or w["itime"]:
+            text = (w["rtime"] or w["itime"]).replace(",", ".").replace(" ", "T", 1)
             dt = datetime.fromisoformat(text)
             return (dt if dt.tzinfo else dt.replace(tzinfo=timezone.utc)).timestamp()
         if w["ctime"]:

@@ -16,9 +16,6 @@ from datetime import datetime, timezone
 
 from detector.core.pciaddr import normalize_bus_id
 
-# Cheap tests that reject the uninteresting 99.99% of lines before any regex runs, and then the
-# other NVRM lines (driver banners, warnings) before the wrapper regex.
-PREFILTER = ("NVRM", "SXid")
 
 _BUS = r"(?:PCI:)?(?P<bus>[0-9a-fA-F]{4,8}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2}(?:\.[0-7])?|[0-9a-fA-F]{2}:[0-9a-fA-F]{2}(?:\.[0-7])?)"
 _WRAPPER = re.compile(
@@ -72,10 +69,6 @@ class UuidMapping:
 
     pci_bus_id: str
     uuid: str
-
-
-def might_match(line: str) -> bool:
-    return "NVRM" in line or "SXid" in line
 
 
 @dataclass(frozen=True)

@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
-import io
 import json
 import subprocess
 import sys
-import time
-
-import pytest
 
 from conftest import REPO, diagnose_host, node_for
 from detector.checks.xid import XidCheck

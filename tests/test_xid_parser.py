@@ -464,7 +464,7 @@ def _variant(name: str) -> bytes:
         return "\r\n".join(lines).encode() + b"\r\n"
     if name == "long-lines":
         long_noise = "[  126.000000] " + "audit: " + "x" * 9000
-        long_xid = (f"[  126.500000] NVRM: Xid (PCI:0000:3b:00): 13, pid=7, name=a, Graphics Exception: "
+        long_xid = ("[  126.500000] NVRM: Xid (PCI:0000:3b:00): 13, pid=7, name=a, Graphics Exception: "
                     + "ESR 0x57c730=0xc04000b " * 400)
         mid = len(lines) // 2
         return "\n".join(lines[:mid] + [long_noise, long_xid, long_noise] + lines[mid:]).encode() + b"\n"

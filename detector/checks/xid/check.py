@@ -11,7 +11,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 from detector.backends.kernlog.records import is_kernel
 from detector.checks.xid.aggregate import XidAggregator, gpu_for
@@ -138,18 +138,16 @@ class XidCheck(Check):
             if parsed is None:
                 continue
             boot = "" if isinstance(parsed, UuidMapping) else (line.boot_id or self._boots.see(parsed))
-            run.take(parsed, line.lineno, boot, line.text, line.realtime, "kernel", line.seq)
+            run.take(parsed, line.lineno, boot, line.realtime, "kernel", line.seq)
         return getattr(reader, "name", type(reader).__name__)
 
     def _scan_file(self, path: str, run: "_Run") -> None:
         def on_line(lineno: int, parsed: Any, text: str) -> None:
             boot = "" if isinstance(parsed, UuidMapping) else self._boots.see(parsed)
-            run.take(parsed, lineno, boot, text, None, "kernel")
+            run.take(parsed, lineno, boot, None, "kernel")
 
-        stream: BinaryIO
         if path == "-":
-            stream = sys.stdin.buffer
-            run.lines = scan_stream(stream, on_line).lines
+            run.lines = scan_stream(sys.stdin.buffer, on_line).lines
             return
         try:
             with Path(path).open("rb") as stream:
@@ -167,7 +165,7 @@ class XidCheck(Check):
         for e in events:
             bus = e.gpu.pci_bus_id or ""
             event = KernelEvent("xid", e.code, bus, "reported by NVML's event API")
-            run.take(event, None, ctx.host.boot_id, None, e.arrived, "nvml")
+            run.take(event, None, ctx.host.boot_id, e.arrived, "nvml")
         return len(events)
 
 
@@ -182,8 +180,8 @@ class _Run:
         self.omitted = 0
         self.lines = 0
 
-    def take(self, parsed: Any, lineno: int | None, boot: str, text: str | None, when: float | None,
-             source: str, seq: int | None = None) -> None:
+    def take(self, parsed: Any, lineno: int | None, boot: str, when: float | None, source: str,
+             seq: int | None = None) -> None:
         if isinstance(parsed, UuidMapping):
             self.check._uuids[parsed.pci_bus_id] = parsed.uuid
             return

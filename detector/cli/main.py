@@ -104,6 +104,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("scenarios", help="list the bundled fake-node scenarios for --nvml fake:NAME")
     s.set_defaults(func=cmd_scenarios)
+
+    from detector.cli.daemon import add_daemon_parsers
+
+    add_daemon_parsers(sub)
     return parser
 
 
@@ -112,23 +116,31 @@ def load_ruleset(paths: Sequence[Path] | None, registry: CheckRegistry) -> RuleS
     return load_rules(resolved, registry.fields_by_check())
 
 
+def load_selected_checks(registry: CheckRegistry, checks: str | None, config: Path | None,
+                         overrides: dict | None = None) -> list:
+    """`--checks a,b` and `--config FILE` (plus per-check setting overrides) into check instances."""
+    settings, settings_file = {}, "<settings>"
+    if config:
+        settings_file, settings = load_check_settings(config)
+    for name, values in (overrides or {}).items():
+        settings = {**settings, name: {**(settings.get(name) or {}), **values}}
+    selected = [n.strip() for n in checks.split(",") if n.strip()] if checks else None
+    return build_checks(registry, selected, settings, settings_file)
+
+
 def cmd_diagnose(args: argparse.Namespace) -> int:
     registry = CheckRegistry.from_entry_points()
     ruleset = load_ruleset(args.rules, registry)
-    settings, settings_file = {}, "<settings>"
-    if args.config:
-        settings_file, settings = load_check_settings(args.config)
+    overrides: dict = {}
     if args.expect_gpus is not None:
         if args.expect_gpus < 1:
             raise UsageError("--expect-gpus must be at least 1")
-        settings = {**settings, "visibility": {**(settings.get("visibility") or {}),
-                                                "expected_gpus": args.expect_gpus}}
+        overrides["visibility"] = {"expected_gpus": args.expect_gpus}
     if args.kernel_log:
         if args.kernel_log != "-" and not Path(args.kernel_log).is_file():
             raise UsageError(f"--kernel-log {args.kernel_log}: no such file")
-        settings = {**settings, "xid": {**(settings.get("xid") or {}), "kernel_log_file": args.kernel_log}}
-    selected = [n.strip() for n in args.checks.split(",") if n.strip()] if args.checks else None
-    checks = build_checks(registry, selected, settings, settings_file)
+        overrides["xid"] = {"kernel_log_file": args.kernel_log}
+    checks = load_selected_checks(registry, args.checks, args.config, overrides)
     host = open_host(args.nvml, node_name=args.node_name, sysfs_root=args.sysfs_root, nvidia_smi=args.nvidia_smi)
     try:
         sweep = run_sweep(host, checks, inventory_timeout_s=args.inventory_timeout)

@@ -49,6 +49,9 @@ class Check(ABC):
     config_fields: ClassVar[Mapping[str, ConfigField]] = {}
     default_interval_s: ClassVar[float] = 60.0
     default_timeout_s: ClassVar[float] = 15.0
+    # False: a GPU inventory up to a minute old will do (the xid check only maps bus ids to GPUs),
+    # so a kernel-log wake-up does not cost a full NVML read.
+    needs_fresh_inventory: ClassVar[bool] = True
 
     def __init__(self, config: Mapping[str, Any] | None = None):
         config = dict(config or {})

@@ -28,6 +28,11 @@ class Host:
     boot_id: str = "current"           # this boot, as the kernel names it
     threaded: bool = True              # False: call checks inline (fake backends that cannot hang)
     close: Callable[[], None] = lambda: None
+    boot_source: Callable[[], str] | None = None   # the live boot id, for a fake node that can reboot
+
+    def current_boot(self) -> str:
+        """This boot now: a fake node can reboot under a running agent, a real machine cannot."""
+        return self.boot_source() if self.boot_source is not None else self.boot_id
 
 
 @dataclass(frozen=True)
@@ -78,17 +83,20 @@ class SweepResult:
         return out
 
 
-def run_sweep(host: Host, checks: Sequence[Check], inventory_timeout_s: float = 10.0) -> SweepResult:
+def run_sweep(host: Host, checks: Sequence[Check], inventory_timeout_s: float = 10.0,
+              inventory: Inventory | None = None) -> SweepResult:
+    """`inventory`: reuse one read recently (the daemon's fast path for kernel-log wake-ups)."""
     started = time.time()
     try:
         pci_gpus, pci_error = nvidia_gpus(host.pci), ""
     except OSError as e:
         pci_gpus, pci_error = None, str(e)
-    if host.nvml_init_error:
-        inventory = Inventory(None, host.nvml_init_error, [])
+    if inventory is not None:
+        pass
+    elif host.nvml_init_error:
+        inventory = Inventory(None, host.nvml_init_error, []).named_from_pci(pci_gpus)
     else:
-        inventory = read_inventory(host.nvml, inventory_timeout_s, threaded=host.threaded)
-    inventory = inventory.named_from_pci(pci_gpus)
+        inventory = read_inventory(host.nvml, inventory_timeout_s, threaded=host.threaded).named_from_pci(pci_gpus)
     ctx = SweepContext(host, inventory, pci_gpus, pci_error, started)
     if host.threaded:
         runs = _run_threaded(ctx, checks)

@@ -13,7 +13,15 @@ Format (version 1):
         action: RESET_GPU                  # see detector.core.types.ACTIONS
         message: "link trained at x{current_width}, expected x{max_width}"
         report: condition                  # condition (default) | event
+        recovery: observation              # conditions: how they clear (below)
+        ttl: 24h                           # optional: also clear this long after the last match
         description: optional free text
+
+A condition clears by its rule's `recovery`:
+    observation   the first run of its check in which the rule no longer matches (the default)
+    reboot        the node boots again, or an operator clears it (`gpu-npd clear`)
+    manual        only an operator clears it; it survives reboots
+A top-level `defaults:` mapping may set `recovery` and `ttl` for every rule of the file.
 """
 
 from __future__ import annotations
@@ -33,7 +41,9 @@ KUBELET_CONDITIONS = {"Ready", "MemoryPressure", "DiskPressure", "PIDPressure", 
 _NAME = re.compile(r"^[a-z0-9][a-z0-9-]*$")
 _CAMEL = re.compile(r"^[A-Z][A-Za-z0-9]*$")
 _RULE_FIELDS = {"name", "check", "when", "type", "reason", "severity", "action", "report", "message",
-                "description", "fallback", "action_field", "count", "window", "boots"}
+                "description", "fallback", "action_field", "count", "window", "boots", "recovery", "ttl"}
+_DEFAULTABLE = {"recovery", "ttl"}
+RECOVERIES = {"observation", "reboot", "manual"}
 _DURATION = re.compile(r"^(\d+(?:\.\d+)?)\s*(s|m|h|d)$")
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 ESCALATION_FIELDS = {"matches": "matches added up in the window", "boots_seen": "distinct boots seen"}
@@ -82,16 +92,22 @@ def _load_file(path: Path, known_fields: Mapping[str, set[str]] | None) -> list[
     if doc.data is None:
         raise SourceError(doc.file, None, None, "empty rule file: expected 'version: 1' and 'rules:'")
     top = MappingReader(doc.file, doc.data, "")
-    top.reject_unknown({"version", "rules"})
+    top.reject_unknown({"version", "rules", "defaults"})
     version = top.get("version", int)
     if version not in SUPPORTED_VERSIONS:
         raise top.error("version", f"unsupported version {version}; this gpu-npd reads version "
                         f"{', '.join(map(str, sorted(SUPPORTED_VERSIONS)))}")
-    return [_rule(MappingReader(doc.file, item, field, line), known_fields)
+    defaults: dict = {}
+    if top.has("defaults"):
+        reader = top.child("defaults")
+        reader.reject_unknown(_DEFAULTABLE)
+        _recovery(reader)                           # validate once, where it is written
+        defaults = dict(reader.data)
+    return [_rule(MappingReader(doc.file, item, field, line), known_fields, defaults)
             for field, line, item in top.items("rules")]
 
 
-def _rule(r: MappingReader, known_fields: Mapping[str, set[str]] | None) -> Rule:
+def _rule(r: MappingReader, known_fields: Mapping[str, set[str]] | None, defaults: Mapping) -> Rule:
     r.reject_unknown(_RULE_FIELDS)
     name = r.get("name", str)
     if not _NAME.fullmatch(name):
@@ -119,14 +135,36 @@ def _rule(r: MappingReader, known_fields: Mapping[str, set[str]] | None) -> Rule
     if type_ in KUBELET_CONDITIONS:
         raise r.error("type", f"{type_!r} belongs to the kubelet; gpu-npd never writes it")
     action = r.choice("action", set(ACTIONS))
+    report = r.choice("report", {"condition", "event"}, "condition")
+    own = {k for k in _DEFAULTABLE if r.has(k)}
+    if report == "event" and own:
+        raise r.error(sorted(own)[0], "events do not recover; recovery and ttl are for conditions")
+    inherited = {k: v for k, v in defaults.items() if k not in own} if report == "condition" else {}
+    merged = MappingReader(r.file, {**inherited, **r.data}, r.path, line_of(r.data, "name")) if inherited else r
+    recovery, ttl_s = _recovery(merged)
     return Rule(
         name=name, checks=checks, when=when, type=type_, reason=_camel(r, "reason"),
         severity=Severity(r.choice("severity", {s.value for s in Severity})), action=action,
-        report=r.choice("report", {"condition", "event"}, "condition"), message=r.get("message", str),
+        report=report, message=r.get("message", str),
         description=r.get("description", str, ""), file=r.file, line=line_of(r.data, "name") or 0, path=r.path,
         fallback=r.get("fallback", bool, False), action_field=action_field, count=count, window_s=window_s,
-        boots=boots,
+        boots=boots, recovery=recovery, ttl_s=ttl_s,
     )
+
+
+def _recovery(r: MappingReader) -> tuple[str, float | None]:
+    recovery = r.choice("recovery", RECOVERIES, "observation")
+    ttl_s = _duration(r, "ttl") if r.has("ttl") else None
+    if ttl_s is not None and recovery == "observation":
+        raise r.error("ttl", "a ttl needs recovery reboot or manual (observation recovers by itself)")
+    return recovery, ttl_s
+
+
+def _duration(r: MappingReader, key: str) -> float:
+    m = _DURATION.match(str(r.get(key, (str, int))).strip())
+    if not m:
+        raise r.error(key, "expected a duration like 90s, 10m, 24h or 7d")
+    return float(m[1]) * _UNITS[m[2]]
 
 
 def _escalation(r: MappingReader) -> tuple[int | None, float | None, int | None]:
@@ -138,10 +176,7 @@ def _escalation(r: MappingReader) -> tuple[int | None, float | None, int | None]
         raise r.error("boots", "must be at least 2 (one boot is every match)")
     window_s = None
     if r.has("window"):
-        m = _DURATION.match(str(r.get("window", (str, int))).strip())
-        if not m:
-            raise r.error("window", "expected a duration like 90s, 10m, 24h or 7d")
-        window_s = float(m[1]) * _UNITS[m[2]]
+        window_s = _duration(r, "window")
         if count is None and boots is None:
             raise r.error("window", "a window needs 'count' or 'boots'")
     if r.get("fallback", bool, False) and (count or boots):

@@ -52,6 +52,8 @@ class Rule:
     count: int | None = None            # fire when one GPU's matches in `window_s` add up to this
     window_s: float | None = None
     boots: int | None = None            # fire when one GPU's matches span this many boots
+    recovery: str = "observation"       # conditions: observation | reboot | manual
+    ttl_s: float | None = None          # conditions: also clear this long after the last match
 
     @property
     def escalates(self) -> bool:

@@ -91,6 +91,7 @@ class XidCheck(Check):
     }
     default_interval_s = 5.0
     default_timeout_s = 60.0
+    needs_fresh_inventory = False
 
     def __init__(self, config: dict[str, Any] | None = None):
         super().__init__(config)

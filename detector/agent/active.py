@@ -1,0 +1,159 @@
+"""The problems a node has now: condition problems held until their rule's recovery says they are over.
+
+A check's observations are facts of one run; a condition is a state. This module bridges the two:
+each condition problem is held ("latched") per (rule, check) and released by the rule's recovery —
+the next run of its check without a match (`observation`), a new boot (`reboot`), an operator
+(`manual`), or its `ttl`. The state is persisted beside the kernel-log cursor, so a restarted agent
+neither forgets an XID it already read nor reports it twice.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+from detector.core.check import COMMON_FIELDS
+from detector.core.types import GpuRef, Problem, Severity
+from detector.rules.model import MESSAGE_LIMIT, Rule
+
+STATE_VERSION = 1
+
+
+@dataclass
+class Latch:
+    problem: Problem
+    boot: str           # the boot it was last seen in
+    first: float
+    last: float         # when its rule last matched
+
+    def to_dict(self) -> dict[str, Any]:
+        p = self.problem
+        return {"rule": p.rule, "check": p.check, "type": p.type, "reason": p.reason, "message": p.message,
+                "severity": p.severity.value, "action": p.action, "gpus": [g.to_dict() for g in p.gpus],
+                "time": p.time, "boot": self.boot, "first": self.first, "last": self.last}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "Latch":
+        problem = Problem(rule=d["rule"], check=d["check"], type=d["type"], reason=d["reason"],
+                          message=d["message"], severity=Severity(d["severity"]), action=d["action"],
+                          report="condition", gpus=tuple(GpuRef(**g) for g in d.get("gpus", [])),
+                          time=float(d["time"]))
+        return cls(problem, str(d["boot"]), float(d["first"]), float(d["last"]))
+
+
+@dataclass(frozen=True)
+class ConditionStatus:
+    """One condition type, as the problems behind it add up (no Kubernetes here)."""
+
+    type: str
+    active: bool
+    reason: str
+    message: str
+    severity: Severity | None = None
+    since: float | None = None            # earliest first match of the active problems
+
+
+class ActiveProblems:
+    def __init__(self, rules: Iterable[Rule]):
+        self.rules = {r.name: r for r in rules}
+        self.latches: dict[tuple[str, str], Latch] = {}
+
+    def update(self, check: str, ran_ok: bool, problems: Iterable[Problem], now: float, boot: str) -> bool:
+        """Take one run of `check` and what the rules made of it; True when the held set changed."""
+        before = self._fingerprint()
+        fired = set()
+        for p in problems:
+            if p.report != "condition":
+                continue
+            key = (p.rule, check)
+            fired.add(key)
+            held = self.latches.get(key)
+            self.latches[key] = Latch(p, boot, held.first if held else now, now)
+        for key in [k for k in self.latches if k[1] == check and k not in fired]:
+            rule = self.rules.get(key[0])
+            if rule is None or (rule.recovery == "observation" and (ran_ok or _judges_status(rule))):
+                del self.latches[key]
+        return self._fingerprint() != before
+
+    def expire(self, now: float, boot: str) -> bool:
+        """Release what a reboot or a ttl ends, and what no loaded rule holds any more."""
+        gone = [k for k, latch in self.latches.items() if self._over(k[0], latch, now, boot)]
+        for k in gone:
+            del self.latches[k]
+        return bool(gone)
+
+    def clear(self, types: set[str] | None, before: float) -> bool:
+        """An operator's clear: release held problems of these types (all if None) seen before `before`."""
+        gone = [k for k, latch in self.latches.items()
+                if (types is None or latch.problem.type in types) and latch.last <= before]
+        for k in gone:
+            del self.latches[k]
+        return bool(gone)
+
+    def _over(self, rule_name: str, latch: Latch, now: float, boot: str) -> bool:
+        rule = self.rules.get(rule_name)
+        if rule is None or rule.report != "condition":
+            return True
+        if rule.ttl_s is not None and now - latch.last >= rule.ttl_s:
+            return True
+        return rule.recovery == "reboot" and latch.boot != boot
+
+    def _fingerprint(self) -> set[tuple[Any, ...]]:
+        return {(k, l.problem.reason, l.problem.message) for k, l in self.latches.items()}
+
+    # -- what the node shows ------------------------------------------------------------------------
+
+    def condition(self, type_: str, limit: int = MESSAGE_LIMIT) -> ConditionStatus:
+        held = sorted((l for l in self.latches.values() if l.problem.type == type_),
+                      key=lambda l: (-l.problem.severity.rank, -l.last, l.problem.rule))
+        if not held:
+            return ConditionStatus(type_, False, f"No{type_}", f"no {type_} problem found")
+        top = held[0].problem
+        return ConditionStatus(type_, True, top.reason, join_messages([l.problem.message for l in held], limit),
+                               top.severity, min(l.first for l in held))
+
+    # -- persistence ----------------------------------------------------------------------------------
+
+    def save(self, path: Path) -> None:
+        """Write atomically: a crash mid-write leaves the previous state, never a torn file."""
+        data = {"version": STATE_VERSION, "latches": [l.to_dict() for l in self.latches.values()]}
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        tmp.write_text(json.dumps(data, indent=1))
+        os.replace(tmp, path)
+
+    def load(self, path: Path) -> str | None:
+        """Restore held problems; returns a warning (not an exception) when the file is unusable."""
+        try:
+            data = json.loads(path.read_text())
+            latches = [Latch.from_dict(d) for d in data["latches"]] if data.get("version") == STATE_VERSION else []
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            return f"ignoring unreadable problem state {path}: {type(e).__name__}: {e}"
+        for latch in latches:
+            if latch.problem.rule in self.rules:
+                self.latches[(latch.problem.rule, latch.problem.check)] = latch
+        return None
+
+
+def _judges_status(rule: Rule) -> bool:
+    """A rule over the run's own status (check failed, timed out) is decided even by a failed run."""
+    return bool(rule.when.names) and rule.when.names <= set(COMMON_FIELDS)
+
+
+def join_messages(messages: list[str], limit: int) -> str:
+    """Several problems behind one condition: most severe first, whole messages, within `limit`."""
+    kept: list[str] = []
+    for i, m in enumerate(messages):
+        rest = len(messages) - i - 1
+        candidate = " | ".join([*kept, m]) + (f" | (+{rest} more)" if rest else "")
+        if len(candidate) > limit:
+            break
+        kept.append(m)
+    if not kept:
+        return messages[0][: limit - 1] + "…" if messages else ""
+    omitted = len(messages) - len(kept)
+    return " | ".join(kept) + (f" | (+{omitted} more)" if omitted else "")

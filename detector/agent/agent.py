@@ -1,0 +1,207 @@
+"""A node agent: one node's checks on their intervals, its rules, and the state it reports.
+
+The agent is driven from outside (`run_due`, `next_due`, `kick`) and owns no thread, so the daemon
+drives one with a loop and the fleet simulator drives thousands from one scheduler. What it concludes
+goes to sinks (Kubernetes, metrics, a test's list); it knows nothing of where.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable, Sequence
+
+from detector.agent.active import ActiveProblems, ConditionStatus
+from detector.core.check import Check
+from detector.core.inventory import Inventory
+from detector.core.sweep import CheckRun, Host, SweepResult, run_sweep
+from detector.core.types import Problem
+from detector.rules.engine import RuleEngine
+from detector.rules.loader import RuleSet
+from detector.rules.model import MESSAGE_LIMIT
+
+log = logging.getLogger("gpu_npd.agent")
+
+PROBLEMS_FILE = "problems.json"
+CLEAR_FILE = "clear-request.json"
+
+
+class AgentSink:
+    """Where an agent's conclusions go. Every method may be called from the agent's thread only."""
+
+    def conditions(self, statuses: list[ConditionStatus]) -> None:
+        """The judged condition types, all of them, whenever one changed or became judged."""
+
+    def events(self, problems: list[Problem]) -> None:
+        """Event problems of one run, as they fire."""
+
+    def sweep(self, result: SweepResult, problems: list[Problem]) -> None:
+        """Every sweep and what its rules found (metrics)."""
+
+
+@dataclass
+class AgentSettings:
+    inventory_timeout_s: float = 10.0
+    inventory_max_age_s: float = 60.0      # checks that can use an older inventory get one this old
+    start_spread_s: float = 10.0           # first runs spread over this, so nodes do not act at once
+    message_limit: int = MESSAGE_LIMIT
+    state_dir: Path | None = None          # problems.json (held problems) and operator clear requests
+
+
+class NodeAgent:
+    def __init__(self, host: Host, checks: Sequence[Check], ruleset: RuleSet, sinks: Iterable[AgentSink] = (),
+                 settings: AgentSettings | None = None, clock: Callable[[], float] = time.time,
+                 rng: random.Random | None = None):
+        self.host, self.checks, self.ruleset = host, list(checks), ruleset
+        self.sinks = list(sinks)
+        self.settings = settings or AgentSettings()
+        self.clock = clock
+        self.engine = RuleEngine(ruleset)
+        self.active = ActiveProblems(ruleset.rules)
+        self.owned_types = sorted(ruleset.types())
+        self._needs = _checks_per_type(ruleset, {c.name for c in self.checks})
+        rng = rng or random.Random()
+        now = clock()
+        self._next = {c.name: now + rng.uniform(0, self.settings.start_spread_s) for c in self.checks}
+        self._ran: set[str] = set()
+        self._judged: set[str] = set()
+        self._inventory: tuple[float, Inventory] | None = None
+        self._lock = threading.Lock()
+        self.warnings: list[str] = []
+        self._restore()
+
+    # -- scheduling -----------------------------------------------------------------------------
+
+    def next_due(self) -> float:
+        with self._lock:
+            return min(self._next.values(), default=float("inf"))
+
+    def kick(self, check_name: str) -> None:
+        """Run this check as soon as possible (new kernel-log lines for the xid check)."""
+        with self._lock:
+            if check_name in self._next:
+                self._next[check_name] = 0.0
+
+    def run_due(self) -> list[Problem]:
+        """Run every check that is due, in one sweep; returns the problems its rules found."""
+        now = self.clock()
+        with self._lock:
+            due = [c for c in self.checks if self._next[c.name] <= now]
+            for c in due:
+                self._next[c.name] = now + c.interval_s
+        if not due:
+            return []
+        return self.run(due)
+
+    def run(self, checks: Sequence[Check]) -> list[Problem]:
+        result = run_sweep(self.host, checks, self.settings.inventory_timeout_s, self._cached_inventory(checks))
+        self._inventory = (time.monotonic(), result.inventory)
+        now, boot = self.clock(), self.host.current_boot()
+        changed = self.active.expire(now, boot) | self._take_clear_request()
+        problems: list[Problem] = []
+        for run in result.runs:
+            found = self.engine.evaluate(_observations(run))
+            problems.extend(found)
+            changed |= self.active.update(run.name, run.status == "ok", found, now, boot)
+            self._ran.add(run.name)
+        newly_judged = self._judge()
+        if changed:
+            self._save()
+        if changed or newly_judged:
+            statuses = self.conditions()
+            for sink in self.sinks:
+                sink.conditions(statuses)
+        events = [p for p in problems if p.report == "event"]
+        for sink in self.sinks:
+            if events:
+                sink.events(events)
+            sink.sweep(result, problems)
+        return problems
+
+    def _cached_inventory(self, checks: Sequence[Check]) -> Inventory | None:
+        if self._inventory is None or any(c.needs_fresh_inventory for c in checks):
+            return None
+        read_at, inventory = self._inventory
+        return inventory if time.monotonic() - read_at < self.settings.inventory_max_age_s else None
+
+    # -- state ----------------------------------------------------------------------------------
+
+    def _judge(self) -> bool:
+        """A condition type is judged once every check that can produce it has run: before that, the
+        node keeps what it shows (a restart never resets conditions to healthy)."""
+        judged = {t for t, needs in self._needs.items()
+                  if needs <= self._ran or ("*" in needs and self._ran and needs - {"*"} <= self._ran)}
+        new = judged - self._judged
+        self._judged |= judged
+        return bool(new)
+
+    def conditions(self) -> list[ConditionStatus]:
+        return [self.active.condition(t, self.settings.message_limit) for t in self.owned_types if t in self._judged]
+
+    def clear(self, types: set[str] | None = None) -> None:
+        """An operator's clear of held conditions (all types when None)."""
+        if self.active.clear(types, self.clock()):
+            self._save()
+            statuses = self.conditions()
+            for sink in self.sinks:
+                sink.conditions(statuses)
+
+    def _take_clear_request(self) -> bool:
+        """`gpu-npd clear` leaves a request file in the state directory; take it once."""
+        if self.settings.state_dir is None:
+            return False
+        path = self.settings.state_dir / CLEAR_FILE
+        try:
+            request = json.loads(path.read_text())
+            path.unlink()
+        except FileNotFoundError:
+            return False
+        except (OSError, ValueError) as e:
+            log.warning("ignoring unreadable clear request %s: %s", path, e)
+            path.unlink(missing_ok=True)
+            return False
+        types = set(request["types"]) if request.get("types") else None
+        log.info("operator clear of %s", ", ".join(sorted(types)) if types else "all held conditions")
+        return self.active.clear(types, float(request.get("time", self.clock())))
+
+    def _restore(self) -> None:
+        if self.settings.state_dir is None:
+            return
+        warning = self.active.load(self.settings.state_dir / PROBLEMS_FILE)
+        if warning:
+            self.warnings.append(warning)
+            log.warning(warning)
+        self.active.expire(self.clock(), self.host.current_boot())
+
+    def _save(self) -> None:
+        if self.settings.state_dir is None:
+            return
+        try:
+            self.active.save(self.settings.state_dir / PROBLEMS_FILE)
+        except OSError as e:                     # a full or read-only disk costs persistence, not the daemon
+            log.warning("cannot save problem state in %s: %s", self.settings.state_dir, e)
+
+
+def write_clear_request(state_dir: Path, types: Sequence[str], now: float) -> Path:
+    path = state_dir / CLEAR_FILE
+    path.write_text(json.dumps({"time": now, "types": list(types)}))
+    return path
+
+
+def _observations(run: CheckRun) -> list:
+    return [run.status_observation(), *run.observations]
+
+
+def _checks_per_type(ruleset: RuleSet, loaded: set[str]) -> dict[str, set[str]]:
+    needs: dict[str, set[str]] = {}
+    for rule in ruleset.rules:
+        if rule.report != "condition":
+            continue
+        checks = {"*"} if rule.checks is None else set(rule.checks) & loaded
+        needs.setdefault(rule.type, set()).update(checks)
+    return needs

@@ -1,0 +1,73 @@
+"""Prometheus metrics of one node agent, in a registry of its own (no process-global collectors, so
+several agents can live in one process). Names follow node-problem-detector where it has one."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from detector.agent.active import ConditionStatus
+from detector.agent.agent import AgentSink
+from detector.core.sweep import SweepResult
+from detector.core.types import Problem
+
+
+class AgentMetrics(AgentSink):
+    def __init__(self, registry: CollectorRegistry | None = None):
+        self.registry = registry or CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.problem_counter = Counter("gpu_npd_problem_counter", "Problems found: events as they fire, "
+                                       "conditions when they become true", ["type", "reason"], registry=r)
+        self.problem_gauge = Gauge("gpu_npd_problem_gauge", "1 while a condition of this type is true with "
+                                   "this reason", ["type", "reason"], registry=r)
+        self.xid = Counter("gpu_npd_xid", "XID and SXid lines seen, per GPU (or NVSwitch) and code",
+                           ["kind", "code", "gpu", "pci_bus_id"], registry=r)
+        self.pcie_width = Gauge("gpu_npd_pcie_link_width", "Negotiated PCIe link width (lanes)",
+                                ["gpu", "pci_bus_id"], registry=r)
+        self.pcie_max_width = Gauge("gpu_npd_pcie_link_max_width", "Widest PCIe link possible for the GPU "
+                                    "in its slot", ["gpu", "pci_bus_id"], registry=r)
+        self.pcie_gen = Gauge("gpu_npd_pcie_link_gen", "Negotiated PCIe link generation", ["gpu", "pci_bus_id"],
+                              registry=r)
+        self.check_duration = Gauge("gpu_npd_check_duration_seconds", "Duration of the check's last run",
+                                    ["check"], registry=r)
+        self.check_runs = Counter("gpu_npd_check_runs", "Check runs by how they ended (ok, error, timeout)",
+                                  ["check", "status"], registry=r)
+        self.api_requests = Counter("gpu_npd_api_requests", "Kubernetes API requests by verb, resource and "
+                                    "response code ('error': no response)", ["verb", "resource", "code"],
+                                    registry=r)
+        self._active: dict[str, str | None] = {}
+
+    def conditions(self, statuses: list[ConditionStatus]) -> None:
+        for s in statuses:
+            before = self._active.get(s.type)
+            now = s.reason if s.active else None
+            if before == now:
+                continue
+            if before is not None:
+                self.problem_gauge.labels(s.type, before).set(0)
+            if now is not None:
+                self.problem_gauge.labels(s.type, now).set(1)
+                self.problem_counter.labels(s.type, now).inc()
+            self._active[s.type] = now
+
+    def events(self, problems: list[Problem]) -> None:
+        for p in problems:
+            self.problem_counter.labels(p.type, p.reason).inc()
+
+    def sweep(self, result: SweepResult, problems: list[Problem]) -> None:
+        for run in result.runs:
+            self.check_runs.labels(run.name, run.status).inc()
+            self.check_duration.labels(run.name).set(run.duration_ms / 1000)
+            for obs in run.observations:
+                gpu = "" if obs.gpu is None or obs.gpu.index is None else str(obs.gpu.index)
+                bus = obs.fields.get("pci_bus_id") or (obs.gpu.pci_bus_id if obs.gpu else "") or ""
+                if run.name == "xid":
+                    self.xid.labels(obs.fields.get("kind", ""), str(obs.fields.get("code", "")), gpu,
+                                    bus).inc(int(obs.fields.get("count") or 1))
+                elif run.name == "pcie":
+                    for gauge, key in ((self.pcie_width, "current_width"), (self.pcie_max_width, "max_width"),
+                                       (self.pcie_gen, "current_gen")):
+                        if obs.fields.get(key) is not None:
+                            gauge.labels(gpu, bus).set(obs.fields[key])
+
+    def api_request(self, verb: str, resource: str, code: str) -> None:
+        self.api_requests.labels(verb, resource, code).inc()

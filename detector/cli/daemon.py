@@ -1,0 +1,145 @@
+"""`gpu-npd run` (the DaemonSet's process), `gpu-npd clear` and `gpu-npd emulator`."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+from detector.agent.agent import AgentSettings, write_clear_request
+from detector.daemon.logs import setup_logging
+from detector.daemon.run import Daemon, DaemonSettings
+from detector.kube.events import EventSettings
+from detector.kube.reporter import ReporterSettings
+
+DEFAULT_LISTEN = "0.0.0.0:9808"
+DEFAULT_STATE_DIR = "/var/lib/gpu-npd"
+
+
+def _env(name: str, default: Any = None) -> Any:
+    return os.environ.get(name, default)
+
+
+def add_daemon_parsers(sub: Any) -> None:
+    r = sub.add_parser(
+        "run", help="run as the node's daemon: checks on their intervals, conditions and events to Kubernetes",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="The DaemonSet's process. Runs every check on its interval (the xid check at once when the\n"
+                    "kernel log has new lines), applies the rules, and keeps the node's gpu-npd conditions and\n"
+                    "events current. Serves /metrics and /healthz. Stops cleanly on SIGTERM or SIGINT.\n"
+                    "Settings come from flags, or the environment variables named in brackets.",
+        epilog="examples:\n"
+               "  gpu-npd run                                       # in a pod: in-cluster config, $NODE_NAME\n"
+               "  gpu-npd run --kubeconfig ~/.kube/config --node-name gpu-17\n"
+               "  gpu-npd run --nvml fake:h100-sxm-8 --kubeconfig emulator.kubeconfig --node-name demo\n"
+               "  gpu-npd run --nvml fake:h100-sxm-8 --no-kube      # metrics and logs only")
+    r.add_argument("--node-name", default=_env("NODE_NAME"), help="this node [NODE_NAME]; required")
+    r.add_argument("--kubeconfig", default=_env("KUBECONFIG"),
+                   help="kubeconfig file [KUBECONFIG] (default: the pod's in-cluster service account)")
+    r.add_argument("--no-kube", action="store_true", help="report to metrics and logs only")
+    r.add_argument("--nvml", default=_env("GPU_NPD_NVML", "real"), metavar="BACKEND",
+                   help="real, fake:SCENARIO or fake:PATH.yaml [GPU_NPD_NVML] (default: real)")
+    r.add_argument("--rules", action="append", type=Path, metavar="PATH",
+                   help="rule file or directory; repeatable; 'builtin' names the bundled rules (default: builtin)")
+    r.add_argument("--checks", metavar="A,B", help="checks to run (default: all)")
+    r.add_argument("--config", type=Path, metavar="FILE", help="YAML settings: checks.<name>.interval|timeout|...")
+    r.add_argument("--listen", default=_env("GPU_NPD_LISTEN", DEFAULT_LISTEN), metavar="HOST:PORT",
+                   help=f"/metrics and /healthz [GPU_NPD_LISTEN] (default: {DEFAULT_LISTEN})")
+    r.add_argument("--state-dir", type=Path, default=_env("GPU_NPD_STATE_DIR"), metavar="DIR",
+                   help="keeps the kernel-log cursor and held problems across restarts [GPU_NPD_STATE_DIR] "
+                        f"(the DaemonSet uses {DEFAULT_STATE_DIR}; default: none, nothing kept)")
+    r.add_argument("--sysfs-root", type=Path, metavar="DIR", help="PCI bus under DIR (default /sys; /host/sys in a pod)")
+    r.add_argument("--nvidia-smi", metavar="PATH", help="nvidia-smi to run (default: nvidia-smi on PATH)")
+    r.add_argument("--inventory-timeout", type=float, default=10.0, metavar="S", help="NVML call timeout (default 10)")
+    r.add_argument("--heartbeat", type=float, default=300.0, metavar="S",
+                   help="refresh the conditions' lastHeartbeatTime this often, +-10%% jitter (default 300)")
+    r.add_argument("--qps", type=float, default=5.0, help="client-side API requests per second (default 5)")
+    r.add_argument("--burst", type=int, default=10, help="client-side API burst (default 10)")
+    r.add_argument("--event-burst", type=int, default=25, help="events per node before rate limiting (default 25)")
+    r.add_argument("--event-refill", type=float, default=300.0, metavar="S",
+                   help="one more event allowed every S seconds after the burst (default 300)")
+    r.add_argument("--start-spread", type=float, default=10.0, metavar="S",
+                   help="spread the checks' first runs over S seconds (default 10)")
+    r.add_argument("--log-format", choices=("text", "json"), default=_env("GPU_NPD_LOG_FORMAT", "text"),
+                   help="[GPU_NPD_LOG_FORMAT] (default: text)")
+    r.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    r.set_defaults(func=cmd_run)
+
+    c = sub.add_parser(
+        "clear", help="release held conditions (XID conditions hold until a reboot or this)",
+        description="Ask the running daemon on this node to release held conditions, for example after a GPU "
+                    "reset. Run it in the daemon's pod: kubectl exec -n gpu-npd POD -- gpu-npd clear GpuXidError")
+    c.add_argument("types", nargs="*", metavar="TYPE", help="condition types to clear (default: all held)")
+    c.add_argument("--state-dir", type=Path, default=Path(_env("GPU_NPD_STATE_DIR", DEFAULT_STATE_DIR)),
+                   help=f"the daemon's --state-dir (default: {DEFAULT_STATE_DIR})")
+    c.set_defaults(func=cmd_clear)
+
+    e = sub.add_parser("emulator", help="run the bundled Kubernetes API emulator (tests and demos)",
+                       add_help=False)
+    e.add_argument("args", nargs=argparse.REMAINDER)
+    e.set_defaults(func=cmd_emulator)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from detector.backends.select import open_host
+    from detector.cli.main import UsageError, load_selected_checks, load_ruleset
+    from detector.core.check import CheckRegistry
+    from detector.kube.api import ApiError, KubeApi, load_api_client
+
+    if not args.node_name:
+        raise UsageError("no node name: set NODE_NAME (the DaemonSet sets it from spec.nodeName) or --node-name")
+    setup_logging(args.log_format, args.log_level, args.node_name)
+    registry = CheckRegistry.from_entry_points()
+    ruleset = load_ruleset(args.rules, registry)
+    checks = load_selected_checks(registry, args.checks, args.config)
+    state_dir = args.state_dir
+    if state_dir is not None:
+        try:
+            state_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise UsageError(f"--state-dir {state_dir}: {e.strerror or e}") from None
+    api = None
+    if not args.no_kube:
+        try:
+            api = KubeApi(load_api_client(args.kubeconfig), qps=args.qps, burst=args.burst)
+        except (ApiError, OSError, ValueError) as e:
+            raise UsageError(f"cannot configure the Kubernetes client: {e}") from None
+    host = open_host(args.nvml, node_name=args.node_name, sysfs_root=args.sysfs_root, nvidia_smi=args.nvidia_smi,
+                     kernel_cursor=state_dir / "kmsg-cursor.json" if state_dir else None)
+    settings = DaemonSettings(
+        listen=args.listen,
+        agent=AgentSettings(inventory_timeout_s=args.inventory_timeout, start_spread_s=args.start_spread,
+                            state_dir=state_dir),
+        reporter=ReporterSettings(heartbeat_s=args.heartbeat,
+                                  events=EventSettings(burst=args.event_burst, refill_per_s=1 / args.event_refill)),
+    )
+    try:
+        daemon = Daemon(host, checks, ruleset, api, settings)
+    except OSError as e:
+        host.close()
+        raise UsageError(f"--listen {args.listen}: {e.strerror or e}") from None
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: daemon.stop.set())
+    return daemon.run()
+
+
+def cmd_clear(args: argparse.Namespace) -> int:
+    from detector.cli.main import UsageError
+
+    if not args.state_dir.is_dir():
+        raise UsageError(f"--state-dir {args.state_dir}: no such directory (is the daemon running here?)")
+    path = write_clear_request(args.state_dir, args.types, time.time())
+    what = ", ".join(args.types) if args.types else "all held conditions"
+    print(f"asked the daemon to clear {what} ({path}); it takes effect at its next check run")
+    logging.getLogger("gpu_npd").info("clear requested: %s", what)
+    return 0
+
+
+def cmd_emulator(args: argparse.Namespace) -> int:
+    from kube_emulator.cli import main as emulator_main
+
+    return emulator_main(args.args)

@@ -1,0 +1,60 @@
+"""/metrics and /healthz on one small HTTP server (stdlib; no framework needed for two paths)."""
+
+from __future__ import annotations
+
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Callable
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+
+def parse_listen(address: str) -> tuple[str, int]:
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"--listen {address!r}: expected HOST:PORT, like 0.0.0.0:9808 or 127.0.0.1:0")
+    return host or "0.0.0.0", int(port)
+
+
+class Endpoints:
+    """`health()` returns (ok, text): the daemon's own judgement of whether it is working."""
+
+    def __init__(self, address: str, registry: CollectorRegistry, health: Callable[[], tuple[bool, str]]):
+        endpoints = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 - the stdlib's name
+                if self.path.split("?")[0] == "/metrics":
+                    self._send(200, generate_latest(endpoints.registry), CONTENT_TYPE_LATEST)
+                elif self.path.split("?")[0] in ("/healthz", "/livez", "/readyz"):
+                    ok, text = endpoints.health()
+                    self._send(200 if ok else 503, (text + "\n").encode(), "text/plain; charset=utf-8")
+                else:
+                    self._send(404, b"not found: try /metrics or /healthz\n", "text/plain; charset=utf-8")
+
+            def _send(self, code: int, body: bytes, content_type: str) -> None:
+                self.send_response(code)
+                self.send_header("Content-Type", content_type)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: object) -> None:
+                pass                                 # scrapes every 15 s would drown the daemon's own logs
+
+        self.registry, self.health = registry, health
+        self.server = ThreadingHTTPServer(parse_listen(address), Handler)
+        self.server.daemon_threads = True
+        self.thread = threading.Thread(target=self.server.serve_forever, name="endpoints", daemon=True)
+
+    @property
+    def address(self) -> str:
+        host, port = self.server.server_address[:2]
+        return f"{host}:{port}"
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()

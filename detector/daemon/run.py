@@ -1,0 +1,166 @@
+"""The daemon: one node agent, driven by three small threads, reporting to Kubernetes and Prometheus.
+
+- scheduler (the caller's thread): runs checks when due, or at once when the kernel log has news;
+- kernel-log watcher: blocks until the log has new lines, then wakes the scheduler for the xid check;
+- sender: sends conditions and events when they change or are due, backing off when the API server is
+  unwell, so a slow API server never delays a check;
+- endpoints: /metrics and /healthz.
+SIGTERM sets `stop`; every loop wakes within a second and the daemon exits within a few seconds.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from detector.agent.agent import AgentSettings, NodeAgent
+from detector.agent.metrics import AgentMetrics
+from detector.core.check import Check
+from detector.core.sweep import Host
+from detector.daemon.endpoints import Endpoints
+from detector.kube.api import ApiError, KubeApi
+from detector.kube.conditions import MARKER
+from detector.kube.reporter import KubeReporter, ReporterSettings
+from detector.rules.loader import RuleSet
+
+log = logging.getLogger("gpu_npd.daemon")
+
+EXIT_OK, EXIT_FORBIDDEN = 0, 3
+STALL_S = 120.0          # /healthz fails when the scheduler has not come round for this long
+
+
+@dataclass
+class DaemonSettings:
+    listen: str = "0.0.0.0:9808"
+    agent: AgentSettings = field(default_factory=AgentSettings)
+    reporter: ReporterSettings = field(default_factory=ReporterSettings)
+    watch_kernel_log: bool = True
+
+
+class Daemon:
+    def __init__(self, host: Host, checks: list[Check], ruleset: RuleSet, api: KubeApi | None,
+                 settings: DaemonSettings | None = None, clock: Callable[[], float] = time.time):
+        self.host, self.settings, self.clock = host, settings or DaemonSettings(), clock
+        self.stop = threading.Event()
+        self.metrics = AgentMetrics()
+        rng = random.Random()
+        self.reporter = None
+        if api is not None:
+            api.counts.listener = self.metrics.api_request
+            self.reporter = KubeReporter(api, host.node_name, sorted(ruleset.types()), self.settings.reporter,
+                                         clock, rng)
+        sinks = [self.metrics] + ([self.reporter] if self.reporter else [])
+        agent_settings = self.settings.agent
+        agent_settings.message_limit = min(agent_settings.message_limit, 1024 - len(MARKER))
+        self.agent = NodeAgent(host, checks, ruleset, sinks, agent_settings, clock, rng)
+        self._kick = threading.Event()
+        self._xid_done = threading.Event()
+        self._last_loop = time.monotonic()
+        self.fatal: str | None = None
+        self.endpoints = Endpoints(self.settings.listen, self.metrics.registry, self.health)
+
+    def health(self) -> tuple[bool, str]:
+        if self.fatal:
+            return False, f"failing: {self.fatal}"
+        stalled = time.monotonic() - self._last_loop
+        if stalled > STALL_S:
+            return False, f"failing: the check scheduler has not run for {stalled:.0f}s"
+        return True, "ok"
+
+    def run(self) -> int:
+        """Block until `stop` is set (SIGTERM) or a permission is missing; returns the exit code."""
+        self.endpoints.start()
+        log.info("gpu-npd on node %s: %d checks, %d rules, metrics and health on http://%s",
+                 self.host.node_name, len(self.agent.checks), len(self.agent.ruleset.rules), self.endpoints.address)
+        threads = []
+        try:
+            if self.reporter is not None:
+                self.reporter.start(sleep=self.stop.wait, stopping=self.stop.is_set)
+                threads.append(self._spawn("sender", self._send_loop))
+            if self.settings.watch_kernel_log and self.host.kernel_log is not None and any(
+                    c.name == "xid" for c in self.agent.checks):
+                threads.append(self._spawn("kernel-log", self._watch_kernel_log))
+            self._schedule_loop()
+        except ApiError as e:
+            self._fail(e)
+        finally:
+            self.stop.set()
+            self._kick.set()
+            wake = getattr(self.host.kernel_log, "wake", None)
+            if wake:
+                wake()
+            for t in threads:
+                t.join(timeout=5)
+            self._final_flush()
+            self.endpoints.stop()
+            self.host.close()
+        log.info("stopped")
+        return EXIT_FORBIDDEN if self.fatal else EXIT_OK
+
+    def _spawn(self, name: str, target: Callable[[], None]) -> threading.Thread:
+        t = threading.Thread(target=target, name=name, daemon=True)
+        t.start()
+        return t
+
+    def _fail(self, e: ApiError) -> None:
+        self.fatal = f"the API server refused a request: {e.message}"
+        log.error("%s; stopping", self.fatal)
+        self.stop.set()
+
+    # -- loops ----------------------------------------------------------------------------------
+
+    def _schedule_loop(self) -> None:
+        while not self.stop.is_set():
+            self._last_loop = time.monotonic()
+            wait = self.agent.next_due() - self.clock()
+            if wait > 0:
+                self._kick.wait(min(wait, 1.0))
+                self._kick.clear()
+            try:
+                self.agent.run_due()
+            except Exception:  # noqa: BLE001 - a bug in one sweep must not end the daemon
+                log.exception("sweep failed")
+            self._xid_done.set()
+
+    def _watch_kernel_log(self) -> None:
+        reader = self.host.kernel_log
+        while not self.stop.is_set():
+            try:
+                woke = reader.wait(1.0)
+            except OSError as e:
+                log.warning("waiting on the kernel log failed (%s); falling back to the xid interval", e)
+                return
+            if woke and not self.stop.is_set():
+                self._xid_done.clear()
+                self.agent.kick("xid")
+                self._kick.set()
+                self._xid_done.wait(5.0)            # until the xid check has read what woke us
+
+    def _send_loop(self) -> None:
+        assert self.reporter is not None
+        while not self.stop.is_set():
+            due = self.reporter.due_at()
+            wait = 1.0 if due is None else min(1.0, max(0.0, due - self.clock()))
+            if wait > 0:
+                self.reporter.wake.wait(wait)
+            self.reporter.wake.clear()
+            try:
+                self.reporter.flush()
+            except ApiError as e:
+                self._fail(e)
+                self._kick.set()
+            except Exception:  # noqa: BLE001
+                log.exception("sending to the API server failed")
+
+    def _final_flush(self) -> None:
+        """On the way out, one last try to send what changed (bounded by the request timeout)."""
+        if self.reporter is None or self.fatal:
+            return
+        try:
+            self.reporter.flush()
+        except Exception as e:  # noqa: BLE001
+            log.warning("final send failed: %s", e)

@@ -1,0 +1,149 @@
+"""Node conditions: gpu-npd's own condition types on its own node, and nothing else.
+
+- One strategic-merge PATCH of nodes/<name>/status carries only the types gpu-npd owns (merged by
+  `type`), so kubelet's Ready and pressure conditions are never touched.
+- A change is sent at once; changes that arrive while a request is in flight or backing off are
+  coalesced: the next request carries the latest state, nothing queues.
+- lastTransitionTime moves only when the status flips; a heartbeat refreshes lastHeartbeatTime.
+- On start the node's conditions are read, not reset: a type is written only once the agent has judged
+  it, and types gpu-npd wrote but no rule produces any more are deleted.
+- Every message gpu-npd writes starts with MARKER, which is how a later gpu-npd recognises its own
+  condition types after a rule that produced one is removed.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any, Callable, Iterable
+
+from detector.agent.active import ConditionStatus
+from detector.kube.api import ApiError, KubeApi
+from detector.kube.pacing import Backoff, jittered
+
+MARKER = "gpu-npd: "
+MESSAGE_LIMIT = 1024
+
+
+def rfc3339(t: float) -> str:
+    return datetime.fromtimestamp(t, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+@dataclass
+class _Sent:
+    status: str
+    reason: str
+    message: str
+    transition: str
+
+
+class ConditionReporter:
+    def __init__(self, api: KubeApi, node: str, owned_types: Iterable[str], clock: Callable[[], float],
+                 heartbeat_s: float = 300.0, jitter: float = 0.1, rng: random.Random | None = None,
+                 backoff: Backoff | None = None):
+        self.api, self.node, self.owned = api, node, set(owned_types)
+        self.clock, self.heartbeat_s, self.jitter = clock, heartbeat_s, jitter
+        self.rng = rng or random.Random()
+        self.backoff = backoff or Backoff(rng=self.rng)
+        self._lock = threading.Lock()
+        self._desired: dict[str, ConditionStatus] = {}
+        self._sent: dict[str, _Sent] = {}
+        self._stale: set[str] = set()           # ours on the node, produced by no rule now: delete
+        self._dirty = False
+        self._retry_at = 0.0
+        self._heartbeat_at: float | None = None
+        self.last_error: ApiError | None = None
+        self.patches = 0
+
+    # -- input ----------------------------------------------------------------------------------
+
+    def adopt(self, node_object: dict[str, Any]) -> None:
+        """Take the node's current conditions: ours keep their transition times; stale ones go."""
+        with self._lock:
+            for c in (node_object.get("status") or {}).get("conditions") or []:
+                t, message = c.get("type", ""), c.get("message") or ""
+                if t in self.owned:
+                    self._sent.setdefault(t, _Sent(c.get("status", ""), c.get("reason", ""), message,
+                                                   c.get("lastTransitionTime") or rfc3339(self.clock())))
+                elif message.startswith(MARKER):
+                    self._stale.add(t)
+            self._dirty = self._dirty or bool(self._stale)
+
+    def update(self, statuses: Iterable[ConditionStatus]) -> bool:
+        """The agent's judgement of some types; True when something must be sent."""
+        with self._lock:
+            for s in statuses:
+                if s.type in self.owned:
+                    self._desired[s.type] = s
+            self._dirty = self._dirty or any(self._differs(t, s) for t, s in self._desired.items())
+            return self._dirty
+
+    def _differs(self, type_: str, s: ConditionStatus) -> bool:
+        sent = self._sent.get(type_)
+        return sent is None or (sent.status, sent.reason, sent.message) != _wire(s)
+
+    # -- output ---------------------------------------------------------------------------------
+
+    def due_at(self) -> float | None:
+        with self._lock:
+            if self._dirty:
+                return self._retry_at
+            return self._heartbeat_at if self._desired else None
+
+    def flush(self) -> bool:
+        """Send the latest state if due. False when the API server did not take it (retried later);
+        raises ApiError only for a missing permission, which retrying cannot cure."""
+        now = self.clock()
+        with self._lock:
+            due = self._dirty or (self._heartbeat_at is not None and now >= self._heartbeat_at)
+            if not due or now < self._retry_at or not (self._desired or self._stale):
+                return True
+            body, sent = self._body(now)
+            self._dirty = False
+        try:
+            self.api.patch_node_status(self.node, body)
+        except ApiError as e:
+            with self._lock:
+                self.last_error, self._dirty = e, True
+                if e.forbidden:
+                    raise
+                self._retry_at = now + self.backoff.next_delay(e.retry_after_s)
+            return False
+        with self._lock:
+            self.patches += 1
+            self.last_error = None
+            self.backoff.reset()
+            self._retry_at = 0.0
+            self._sent.update(sent)
+            self._stale -= {c["type"] for c in body["status"]["conditions"] if c.get("$patch") == "delete"}
+            self._dirty = self._dirty or any(self._differs(t, s) for t, s in self._desired.items())
+            self._heartbeat_at = now + jittered(self.heartbeat_s, self.jitter, self.rng)
+        return True
+
+    def _body(self, now: float) -> tuple[dict[str, Any], dict[str, _Sent]]:
+        stamp = rfc3339(now)
+        conditions: list[dict[str, Any]] = []
+        sent: dict[str, _Sent] = {}
+        for type_, s in sorted(self._desired.items()):
+            status, reason, message = _wire(s)
+            before = self._sent.get(type_)
+            transition = before.transition if before and before.status == status else stamp
+            sent[type_] = _Sent(status, reason, message, transition)
+            conditions.append({"type": type_, "status": status, "reason": reason, "message": message,
+                               "lastHeartbeatTime": stamp, "lastTransitionTime": transition})
+        conditions.extend({"type": t, "$patch": "delete"} for t in sorted(self._stale))
+        return {"status": {"conditions": conditions}}, sent
+
+    def snapshot(self) -> dict[str, tuple[str, str]]:
+        """What the API server was last told: type -> (status, reason)."""
+        with self._lock:
+            return {t: (s.status, s.reason) for t, s in self._sent.items()}
+
+
+def _wire(s: ConditionStatus) -> tuple[str, str, str]:
+    message = MARKER + s.message
+    if len(message) > MESSAGE_LIMIT:
+        message = message[: MESSAGE_LIMIT - 1] + "…"
+    return ("True" if s.active else "False"), s.reason, message

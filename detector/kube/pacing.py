@@ -1,0 +1,65 @@
+"""Token buckets and backoff: how gpu-npd stays gentle on the API server."""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+
+@dataclass
+class TokenBucket:
+    """`burst` tokens, refilled at `rate` per second (client-go's flowcontrol and spam filter)."""
+
+    rate: float
+    burst: int
+    clock: Callable[[], float] = time.monotonic
+    tokens: float = field(init=False)
+    stamp: float = field(init=False)
+
+    def __post_init__(self) -> None:
+        if self.rate <= 0 or self.burst < 1:
+            raise ValueError("a token bucket needs rate > 0 and burst >= 1")
+        self.tokens, self.stamp = float(self.burst), self.clock()
+
+    def _refill(self) -> None:
+        now = self.clock()
+        self.tokens = min(float(self.burst), self.tokens + (now - self.stamp) * self.rate)
+        self.stamp = now
+
+    def try_take(self) -> bool:
+        self._refill()
+        if self.tokens >= 1:
+            self.tokens -= 1
+            return True
+        return False
+
+    def wait_s(self) -> float:
+        """Seconds until a token is available (0 if one is)."""
+        self._refill()
+        return 0.0 if self.tokens >= 1 else (1 - self.tokens) / self.rate
+
+
+@dataclass
+class Backoff:
+    """Exponential backoff with full jitter, floored by the server's Retry-After."""
+
+    base_s: float = 0.5
+    cap_s: float = 30.0
+    rng: random.Random = field(default_factory=random.Random)
+    failures: int = 0
+
+    def next_delay(self, retry_after_s: float | None = None) -> float:
+        self.failures += 1
+        ceiling = min(self.cap_s, self.base_s * 2 ** (self.failures - 1))
+        delay = self.rng.uniform(ceiling / 2, ceiling)
+        return max(delay, retry_after_s or 0.0)
+
+    def reset(self) -> None:
+        self.failures = 0
+
+
+def jittered(period_s: float, fraction: float, rng: random.Random) -> float:
+    """`period_s` give or take `fraction` of it, so thousands of nodes do not act in the same second."""
+    return period_s * (1 + rng.uniform(-fraction, fraction))

@@ -1,0 +1,210 @@
+"""Held problems: each rule's recovery (observation, reboot, manual, ttl), persistence, condition summaries."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from detector.agent.active import ActiveProblems, join_messages
+from detector.core.types import GpuRef, Problem, Severity
+from detector.rules.loader import load_rules
+from detector.yamlsource import SourceError
+
+RULES = """\
+version: 1
+defaults:
+  recovery: reboot
+rules:
+  - name: lost
+    check: visibility
+    when: nvml_error == "GpuIsLost"
+    type: GpuMissing
+    reason: GpuFellOffBus
+    severity: critical
+    action: RESTART_BM
+    message: "lost"
+    recovery: observation
+  - name: xid-79
+    check: xid
+    when: code == 79
+    type: GpuXidError
+    reason: Xid79
+    severity: critical
+    action: RESTART_BM
+    message: "XID 79"
+  - name: xid-48
+    check: xid
+    when: code == 48
+    type: GpuXidError
+    reason: Xid48
+    severity: warning
+    action: RESET_GPU
+    message: "XID 48"
+    ttl: 1h
+  - name: xid-repeat
+    check: xid
+    when: code == 13
+    type: GpuXidError
+    reason: XidRecurring
+    severity: critical
+    action: CONTACT_SUPPORT
+    message: "again"
+    recovery: manual
+  - name: failed
+    check: "*"
+    when: check_status == "error"
+    type: GpuHealthCheckFailing
+    reason: CheckFailed
+    severity: warning
+    action: INSPECT
+    message: "failed"
+    recovery: observation
+  - name: app-xid
+    check: xid
+    when: code == 8
+    type: GpuXidError
+    reason: Xid8
+    severity: warning
+    action: RESTART_APP
+    report: event
+    message: "XID 8"
+"""
+
+
+@pytest.fixture
+def rules(tmp_path: Path):
+    path = tmp_path / "r.yaml"
+    path.write_text(RULES)
+    return load_rules([path]).rules
+
+
+def problem(rule: str, type_: str = "GpuXidError", reason: str = "Xid79", check: str = "xid",
+            severity: Severity = Severity.CRITICAL, message: str = "m", report: str = "condition") -> Problem:
+    return Problem(rule, check, type_, reason, message, severity, "RESTART_BM", report, (GpuRef(3, "GPU-3", "0000:5d:00.0"),))
+
+
+def test_defaults_and_own_values_are_loaded(rules):
+    by = {r.name: r for r in rules}
+    assert by["lost"].recovery == "observation"
+    assert by["xid-79"].recovery == "reboot" and by["xid-79"].ttl_s is None
+    assert by["xid-48"].recovery == "reboot" and by["xid-48"].ttl_s == 3600
+    assert by["xid-repeat"].recovery == "manual"
+    assert by["app-xid"].recovery == "observation"      # events take no default
+
+
+@pytest.mark.parametrize("snippet, field, expected", [
+    ("    recovery: sometimes\n", "rules[0].recovery", "not one of"),
+    ("    ttl: soon\n", "rules[0].ttl", "expected a duration"),
+    ("    ttl: 1h\n", "rules[0].ttl", "needs recovery reboot or manual"),
+])
+def test_bad_recovery_names_file_line_and_field(tmp_path, snippet, field, expected):
+    path = tmp_path / "bad.yaml"
+    path.write_text("version: 1\nrules:\n  - name: a\n    check: x\n    when: a == 1\n    type: GpuA\n"
+                    "    reason: A\n    severity: info\n    action: NONE\n    message: m\n" + snippet)
+    with pytest.raises(SourceError) as e:
+        load_rules([path])
+    assert e.value.file == str(path) and e.value.line == 11 and e.value.field == field
+    assert expected in str(e.value)
+
+
+def test_events_refuse_recovery(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("version: 1\nrules:\n  - name: a\n    check: x\n    when: a == 1\n    type: GpuA\n"
+                    "    reason: A\n    severity: info\n    action: NONE\n    message: m\n    report: event\n"
+                    "    recovery: reboot\n")
+    with pytest.raises(SourceError, match="events do not recover"):
+        load_rules([path])
+
+
+def test_observation_recovery_clears_on_the_next_clean_run_of_its_check(rules):
+    active = ActiveProblems(rules)
+    lost = problem("lost", "GpuMissing", "GpuFellOffBus", "visibility")
+    assert active.update("visibility", True, [lost], 1.0, "b1")
+    assert active.condition("GpuMissing").active
+    assert not active.update("xid", True, [], 2.0, "b1")            # another check: no effect
+    assert not active.update("visibility", False, [], 3.0, "b1")    # the check failed: cannot tell
+    assert active.condition("GpuMissing").active
+    assert active.update("visibility", True, [], 4.0, "b1")
+    status = active.condition("GpuMissing")
+    assert not status.active and status.reason == "NoGpuMissing"
+
+
+def test_status_rules_are_decided_even_by_failed_runs(rules):
+    active = ActiveProblems(rules)
+    failed = problem("failed", "GpuHealthCheckFailing", "CheckFailed", "pcie", Severity.WARNING)
+    active.update("pcie", False, [failed], 1.0, "b1")
+    active.update("visibility", False, [], 2.0, "b1")              # other check's failure: its own latch
+    assert active.condition("GpuHealthCheckFailing").active
+    active.update("pcie", False, [], 3.0, "b1")                    # timed out instead: check-failed is over
+    assert not active.condition("GpuHealthCheckFailing").active
+
+
+def test_reboot_recovery_holds_through_quiet_runs_until_a_new_boot(rules):
+    active = ActiveProblems(rules)
+    active.update("xid", True, [problem("xid-79")], 1.0, "boot-a")
+    for t in range(2, 10):
+        active.update("xid", True, [], float(t), "boot-a")
+    assert not active.expire(10.0, "boot-a")
+    assert active.condition("GpuXidError").active
+    assert active.expire(11.0, "boot-b")
+    assert not active.condition("GpuXidError").active
+
+
+def test_ttl_and_manual_clear(rules):
+    active = ActiveProblems(rules)
+    active.update("xid", True, [problem("xid-48", reason="Xid48", severity=Severity.WARNING)], 100.0, "b")
+    active.update("xid", True, [problem("xid-repeat", reason="XidRecurring")], 100.0, "b")
+    assert not active.expire(100.0 + 3599, "b")
+    assert active.expire(100.0 + 3600, "b")                         # xid-48's ttl ran out
+    assert active.condition("GpuXidError").reason == "XidRecurring"
+    assert not active.expire(10**9, "another-boot")                 # manual survives reboots
+    assert not active.clear({"GpuMissing"}, 10**9)                  # other types untouched
+    assert not active.clear(None, 50.0)                             # seen after the request: kept
+    assert active.clear({"GpuXidError"}, 10**9)
+    assert not active.latches
+
+
+def test_condition_summary_puts_the_most_severe_first(rules):
+    active = ActiveProblems(rules)
+    active.update("xid", True, [problem("xid-48", reason="Xid48", severity=Severity.WARNING, message="warn"),
+                                problem("xid-79", message="crit")], 5.0, "b")
+    status = active.condition("GpuXidError")
+    assert status.reason == "Xid79" and status.severity == Severity.CRITICAL
+    assert status.message == "crit | warn" and status.since == 5.0
+
+
+def test_event_problems_are_never_held(rules):
+    active = ActiveProblems(rules)
+    assert not active.update("xid", True, [problem("app-xid", reason="Xid8", report="event")], 1.0, "b")
+    assert not active.latches
+
+
+def test_state_survives_a_restart_and_a_corrupt_file_is_survived(rules, tmp_path):
+    path = tmp_path / "problems.json"
+    active = ActiveProblems(rules)
+    active.update("xid", True, [problem("xid-79", message="XID 79 on GPU 3")], 1.0, "boot-a")
+    active.save(path)
+    again = ActiveProblems(rules)
+    assert again.load(path) is None
+    restored = again.condition("GpuXidError")
+    assert restored.active and restored.message == "XID 79 on GPU 3"
+    assert next(iter(again.latches.values())).problem.gpus == (GpuRef(3, "GPU-3", "0000:5d:00.0"),)
+    # a rule removed since: its latch is not restored
+    fewer = ActiveProblems([r for r in rules if r.name != "xid-79"])
+    fewer.load(path)
+    assert not fewer.latches
+    path.write_text("{not json")
+    warning = ActiveProblems(rules).load(path)
+    assert warning and str(path) in warning
+    path.write_text(json.dumps({"version": 99, "latches": [{"junk": 1}]}))
+    assert ActiveProblems(rules).load(path) is None
+
+
+def test_join_messages_stays_within_the_limit_and_keeps_whole_messages():
+    messages = [f"GPU {i}: " + "x" * 100 for i in range(20)]
+    joined = join_messages(messages, 500)
+    assert len(joined) <= 500 and joined.endswith("more)")
+    assert all(part in messages for part in joined.split(" | ")[:-1])
+    assert join_messages(["y" * 2000], 100).endswith("…") and len(join_messages(["y" * 2000], 100)) == 100

@@ -1,0 +1,263 @@
+"""Condition and event reporters against a scripted API: what they send, when, and how they back off."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from detector.agent.active import ConditionStatus
+from detector.core.types import Severity
+from detector.kube.api import ApiError
+from detector.kube.conditions import MARKER, ConditionReporter
+from detector.kube.events import COMBINED, EventReporter, EventSettings
+from detector.kube.pacing import Backoff, TokenBucket
+
+
+@dataclass
+class Clock:
+    now: float = 1_700_000_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@dataclass
+class ScriptedApi:
+    """Records every call; raises the next scripted error, if any."""
+
+    node: dict[str, Any] = field(default_factory=lambda: {"status": {"conditions": []}})
+    errors: list[ApiError] = field(default_factory=list)
+    calls: list[tuple[str, Any]] = field(default_factory=list)
+
+    def _call(self, verb: str, body: Any) -> dict[str, Any]:
+        self.calls.append((verb, body))
+        if self.errors:
+            raise self.errors.pop(0)
+        return {}
+
+    def get_node(self, name: str) -> dict[str, Any]:
+        self._call("get", name)
+        return self.node
+
+    def patch_node_status(self, name: str, body: dict[str, Any]) -> dict[str, Any]:
+        return self._call("patch-status", body)
+
+    def create_event(self, body: dict[str, Any]) -> dict[str, Any]:
+        return self._call("create-event", body)
+
+    def patch_event(self, name: str, body: dict[str, Any]) -> dict[str, Any]:
+        return self._call("patch-event", (name, body))
+
+
+def xid(active: bool, reason: str = "Xid79", message: str = "GPU 3 (GPU-3, 0000:5d:00.0): XID 79") -> ConditionStatus:
+    return ConditionStatus("GpuXidError", active, reason if active else "NoGpuXidError",
+                           message if active else "no GpuXidError problem found", Severity.CRITICAL if active else None)
+
+
+def reporter(api: ScriptedApi, clock: Clock, **kw: Any) -> ConditionReporter:
+    return ConditionReporter(api, "n1", {"GpuXidError", "GpuMissing"}, clock, rng=random.Random(1),
+                             backoff=Backoff(1.0, 8.0, random.Random(1)), **kw)
+
+
+def sent_conditions(api: ScriptedApi) -> list[list[dict[str, Any]]]:
+    return [body["status"]["conditions"] for verb, body in api.calls if verb == "patch-status"]
+
+
+def test_sends_only_owned_types_with_marker_and_times():
+    api, clock = ScriptedApi(), Clock()
+    r = reporter(api, clock)
+    assert r.update([xid(True), ConditionStatus("Ready", True, "x", "y")])
+    assert r.due_at() == 0.0
+    assert r.flush()
+    [conditions] = sent_conditions(api)
+    assert [c["type"] for c in conditions] == ["GpuXidError"]              # never kubelet's
+    c = conditions[0]
+    assert c["status"] == "True" and c["reason"] == "Xid79" and c["message"].startswith(MARKER)
+    assert c["lastTransitionTime"] == c["lastHeartbeatTime"] == "2023-11-14T22:13:20Z"
+    assert not r.update([xid(True)])                                        # nothing new: nothing to send
+
+
+def test_transition_time_kept_until_the_status_flips_and_heartbeat_refreshes():
+    api, clock = ScriptedApi(), Clock()
+    r = reporter(api, clock, heartbeat_s=300.0, jitter=0.1)
+    r.update([xid(True)])
+    r.flush()
+    first = sent_conditions(api)[0][0]["lastTransitionTime"]
+    assert 270 <= r.due_at() - clock.now <= 330                              # heartbeat, jittered
+    clock.now += 60
+    r.update([xid(True, message="GPU 3: XID 79 | GPU 4: XID 79")])           # same status, new message
+    r.flush()
+    second = sent_conditions(api)[-1][0]
+    assert second["lastTransitionTime"] == first and second["lastHeartbeatTime"] != first
+    clock.now = r.due_at() + 1
+    r.flush()                                                                # the heartbeat
+    assert len(sent_conditions(api)) == 3
+    assert sent_conditions(api)[-1][0]["lastTransitionTime"] == first
+    clock.now += 10
+    r.update([xid(False)])
+    r.flush()
+    cleared = sent_conditions(api)[-1][0]
+    assert cleared["status"] == "False" and cleared["lastTransitionTime"] != first
+
+
+def test_adopt_keeps_transition_times_and_deletes_stale_owned_types():
+    api, clock = ScriptedApi(), Clock()
+    node = {"status": {"conditions": [
+        {"type": "Ready", "status": "True", "reason": "KubeletReady", "message": "kubelet is posting ready status"},
+        {"type": "GpuXidError", "status": "True", "reason": "Xid79", "message": MARKER + "old",
+         "lastTransitionTime": "2020-01-01T00:00:00Z"},
+        {"type": "GpuOldCheck", "status": "False", "reason": "NoGpuOldCheck", "message": MARKER + "none"},
+        {"type": "SomeoneElses", "status": "True", "reason": "X", "message": "not ours"},
+    ]}}
+    r = reporter(api, clock)
+    r.adopt(node)
+    assert r.due_at() == 0.0                                  # the stale type must go even before checks ran
+    r.flush()
+    assert sent_conditions(api)[-1] == [{"type": "GpuOldCheck", "$patch": "delete"}]
+    r.update([xid(True, message="new")])
+    r.flush()
+    c = sent_conditions(api)[-1][0]
+    assert c["lastTransitionTime"] == "2020-01-01T00:00:00Z"  # a restart does not reset it
+
+
+def test_failures_back_off_honour_retry_after_and_coalesce_to_the_latest_state():
+    api, clock = ScriptedApi(errors=[ApiError(429, "TooManyRequests", "slow down", retry_after_s=20.0),
+                                     ApiError(0, "ConnectionFailed", "refused")]), Clock()
+    r = reporter(api, clock)
+    r.update([xid(True)])
+    assert not r.flush()
+    assert r.due_at() - clock.now >= 20.0                     # Retry-After is a floor
+    r.update([xid(True, message="second")])
+    r.update([xid(False)])                                    # latest state wins
+    assert r.flush()                                          # not yet due: nothing sent
+    assert len(api.calls) == 1
+    clock.now = r.due_at()
+    assert not r.flush()                                      # connection refused
+    delay = r.due_at() - clock.now
+    assert 1.0 <= delay <= 2.0                                # second failure: base * 2, jittered
+    clock.now += delay
+    assert r.flush()
+    final = sent_conditions(api)[-1][0]
+    assert final["status"] == "False" and len(api.calls) == 3
+
+
+def test_forbidden_is_raised_not_retried():
+    api, clock = ScriptedApi(errors=[ApiError(403, "Forbidden", "cannot patch resource nodes/status")]), Clock()
+    r = reporter(api, clock)
+    r.update([xid(True)])
+    with pytest.raises(ApiError) as e:
+        r.flush()
+    assert e.value.forbidden
+
+
+def test_condition_message_is_bounded():
+    api, clock = ScriptedApi(), Clock()
+    r = reporter(api, clock)
+    r.update([xid(True, message="x" * 5000)])
+    r.flush()
+    assert len(sent_conditions(api)[0][0]["message"]) == 1024
+
+
+# -- events --------------------------------------------------------------------------------------
+
+def events(api: ScriptedApi, clock: Clock, **settings: Any) -> EventReporter:
+    return EventReporter(api, "n1", clock, EventSettings(**settings), random.Random(2),
+                         Backoff(1.0, 8.0, random.Random(2)))
+
+
+def test_identical_repeats_become_one_event_with_a_growing_count():
+    api, clock = ScriptedApi(), Clock()
+    ev = events(api, clock)
+    ev.record("Warning", "Xid13", "GPU 1: XID 13")
+    ev.flush()
+    (verb, body), = api.calls
+    assert verb == "create-event" and body["count"] == 1
+    assert body["involvedObject"] == {"apiVersion": "v1", "kind": "Node", "name": "n1", "uid": "n1"}
+    assert body["source"] == {"component": "gpu-npd", "host": "n1"} and body["type"] == "Warning"
+    for _ in range(3):
+        clock.now += 10
+        ev.record("Warning", "Xid13", "GPU 1: XID 13")
+    ev.flush()
+    verb, (name, patch) = api.calls[-1]
+    assert verb == "patch-event" and name == body["metadata"]["name"] and patch["count"] == 4
+    assert len(api.calls) == 2                                 # three repeats, one PATCH
+
+
+def test_after_the_window_a_repeat_starts_a_new_event():
+    api, clock = ScriptedApi(), Clock()
+    ev = events(api, clock, window_s=600)
+    ev.record("Warning", "Xid13", "m")
+    ev.flush()
+    clock.now += 601
+    ev.record("Warning", "Xid13", "m")
+    ev.flush()
+    assert [v for v, _ in api.calls] == ["create-event", "create-event"]
+
+
+def test_many_similar_messages_are_combined():
+    api, clock = ScriptedApi(), Clock()
+    ev = events(api, clock, similar_limit=3, burst=100)
+    for i in range(8):
+        ev.record("Warning", "Xid13", f"GPU {i}: XID 13")
+    ev.flush()
+    creates = [b for v, b in api.calls if v == "create-event"]
+    assert len(creates) == 4                                   # 3 distinct, then one combined series
+    assert creates[-1]["message"].startswith(COMBINED) and creates[-1]["count"] == 5
+
+
+def test_token_bucket_limits_writes_but_keeps_counts():
+    api, clock = ScriptedApi(), Clock()
+    ev = events(api, clock, burst=2, refill_per_s=1 / 300)
+    for i in range(4):
+        ev.record("Warning", f"R{i}", "m")
+    ev.flush()
+    assert len(api.calls) == 2
+    ev.record("Warning", "R3", "m")                            # a pending repeat adds to the count
+    assert 299 <= ev.due_at() - clock.now <= 301
+    clock.now += 300
+    ev.flush()
+    assert len(api.calls) == 3
+    clock.now += 300
+    ev.flush()
+    assert api.calls[-1][1]["reason"] == "R3" and api.calls[-1][1]["count"] == 2
+
+
+def test_pending_series_are_bounded():
+    api, clock = ScriptedApi(errors=[ApiError(503, "ServiceUnavailable", "down")] * 100), Clock()
+    ev = events(api, clock, max_series=5, burst=1000)
+    for i in range(50):
+        ev.record("Warning", f"R{i}", "m")
+    assert len(ev._series) == 5 and ev.stats.dropped == 45
+
+
+def test_an_expired_event_is_created_again_and_a_lost_create_answer_becomes_a_patch():
+    api, clock = ScriptedApi(), Clock()
+    ev = events(api, clock)
+    ev.record("Warning", "Xid13", "m")
+    ev.flush()
+    api.errors = [ApiError(404, "NotFound", "gone")]
+    ev.record("Warning", "Xid13", "m")
+    ev.flush()
+    assert [v for v, _ in api.calls] == ["create-event", "patch-event", "create-event"]
+    assert api.calls[-1][1]["count"] == 2
+    api.errors = [ApiError(409, "AlreadyExists", "exists")]
+    clock.now += 1000
+    ev.record("Warning", "Other", "m")
+    ev.flush()
+    assert [v for v, _ in api.calls][-2:] == ["create-event", "patch-event"]
+
+
+def test_token_bucket_and_backoff():
+    clock = Clock()
+    bucket = TokenBucket(2.0, 3, clock)
+    assert [bucket.try_take() for _ in range(4)] == [True, True, True, False]
+    assert bucket.wait_s() == pytest.approx(0.5)
+    clock.now += 0.5
+    assert bucket.try_take()
+    b = Backoff(1.0, 4.0, random.Random(0))
+    delays = [b.next_delay() for _ in range(5)]
+    assert 0.5 <= delays[0] <= 1.0 and all(2.0 <= d <= 4.0 for d in delays[2:])
+    assert b.next_delay(retry_after_s=30.0) == 30.0

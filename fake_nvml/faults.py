@@ -157,6 +157,12 @@ def _recover(f: Fault, state: "NodeState", gpu: "FakeGpu | None", node: "FakeNod
         state.driver_loaded, state.smi_hang_s, state.nccl_busbw_factor = True, 0.0, 1.0
 
 
+def _reboot(f: Fault, state: "NodeState", gpu: "FakeGpu | None", node: "FakeNode") -> None:
+    """Repaired as by `recover`, then booted afresh, so the driver's load lines follow the repair."""
+    _recover(f, state, None, node)
+    node.reboot()
+
+
 FAULT_KINDS: dict[str, FaultKind] = {k.name: k for k in (
     FaultKind("xid", True, {"code": int, "message": str, "pid": int, "via": str}, ("code",), _xid,
               "an XID: kernel log line and NVML event (via: both, kernel or nvml); 79 also makes the GPU lost"),
@@ -187,4 +193,6 @@ FAULT_KINDS: dict[str, FaultKind] = {k.name: k for k in (
               "an arbitrary kernel log line (SXid lines, noise)"),
     FaultKind("recover", False, {}, (), _recover,
               "reset a GPU (with gpu) or repair the node (without) back to healthy"),
+    FaultKind("reboot", False, {}, (), _reboot,
+              "the node reboots: a new boot id, a kernel log started afresh, the driver loaded, every GPU healthy"),
 )}

@@ -37,7 +37,8 @@ class InProcessSmi:
 
 
 def fake_host(node: FakeNode, *, sysfs_root: Path | None = None, smi_command: list[str] | None = None,
-              smi_env: dict[str, str] | None = None, threaded: bool = True) -> Host:
+              smi_env: dict[str, str] | None = None, threaded: bool = True,
+              kernel_cursor: Path | None = None) -> Host:
     """A Host whose every backend reads `node`. `sysfs_root`/`smi_command` swap in the real readers
     (over a written-out tree, or a fake-nvidia-smi process) to exercise them end to end."""
     nvml = FakeNvml(node)
@@ -49,11 +50,11 @@ def fake_host(node: FakeNode, *, sysfs_root: Path | None = None, smi_command: li
     smi = SubprocessSmi(smi_command, smi_env) if smi_command else InProcessSmi(node)
     pci = SysfsPciBus(sysfs_root) if sysfs_root else FakePciBus(node)
     kmsg = FakeKmsgDevice(node)
-    kernel_log = KmsgReader(kmsg, kmsg.boot_id, kmsg.boot_time, CursorStore(None), start="beginning")
+    kernel_log = KmsgReader(kmsg, kmsg.boot_id, kmsg.boot_time, CursorStore(kernel_cursor), start="beginning")
 
     def close() -> None:
         if init_error is None:
             nvml.nvmlShutdown()
 
     return Host(node.name, nvml, smi, pci, nvml_init_error=init_error, kernel_log=kernel_log,
-                boot_id=kmsg.boot_id, threaded=threaded, close=close)
+                boot_id=kmsg.boot_id, threaded=threaded, close=close, boot_source=lambda: node.boot_id)

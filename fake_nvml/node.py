@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import threading
 import time
+import uuid
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
@@ -144,8 +145,10 @@ class FakeNode:
                  clock: Clock = time.monotonic, on_change: Callable[["FakeNode"], None] | None = None):
         self._state = state
         self._lock = threading.RLock()
+        self._kernel_logged = threading.Condition(self._lock)   # notified on every record and reboot
         self._clock = clock
-        self._started = clock()
+        self._started = clock()          # the timeline counts from here, across reboots
+        self._boot_started = self._started
         self._timeline = sorted(timeline or [], key=lambda t: t.at_s)
         self._kernel: list[KernelRecord] = []
         self._xids: list[XidEvent] = []
@@ -159,6 +162,11 @@ class FakeNode:
     @property
     def name(self) -> str:
         return self._state.name
+
+    @property
+    def boot_id(self) -> str:
+        """The live boot id: a `reboot` fault changes it under running readers."""
+        return self.read(lambda state: state.boot_id)
 
     def snapshot(self) -> NodeState:
         """A private copy of the current state: consistent across every field read from it."""
@@ -182,8 +190,37 @@ class FakeNode:
             self._apply_due()
             return [e for e in self._xids if e.seq > after_seq]
 
+    def kernel_head(self) -> tuple[str, int]:
+        """(boot id, newest seq; -1 when empty): enough for a reader to tell whether anything is new."""
+        with self._lock:
+            self._apply_due()
+            return self._state.boot_id, len(self._kernel) - 1
+
+    def wait_kernel(self, ready: Callable[[], bool], timeout_s: float) -> bool:
+        """Block until `ready()` (called under the lock) holds or `timeout_s` passes; False on timeout.
+        Woken by every kernel record, every reboot and `notify_kernel`; wakes early for the next timeline
+        fault too, since nothing else would apply it while every reader waits."""
+        deadline = time.monotonic() + timeout_s
+        with self._kernel_logged:
+            while True:
+                self._apply_due()
+                if ready():
+                    return True
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                if self._timeline:
+                    due = self._timeline[0].at_s - (self._clock() - self._started)
+                    left = min(left, max(due, 0.001))
+                self._kernel_logged.wait(left)
+
+    def notify_kernel(self) -> None:
+        """Wake every `wait_kernel` to re-check its condition (a reader being interrupted for shutdown)."""
+        with self._kernel_logged:
+            self._kernel_logged.notify_all()
+
     def uptime_usec(self) -> int:
-        return int((self._clock() - self._started) * 1e6)
+        return int((self._clock() - self._boot_started) * 1e6)
 
     def _log_driver_load(self) -> None:
         """What the driver prints when it loads: its version and each GPU's bus id and UUID."""
@@ -226,9 +263,22 @@ class FakeNode:
         raise ValueError(f"node {self.name} has no GPU {index} (it has {len(self._state.gpus)})")
 
     def log_kernel(self, message: str, priority: int = 3) -> None:
-        """Append a kernel log line (called by faults, under the lock)."""
-        seq = len(self._kernel)
-        self._kernel.append(KernelRecord(seq, self.uptime_usec(), priority, message))
+        """Append a kernel log line (called by faults, under the lock; the lock is re-entrant, and
+        notifying waiting readers needs it held)."""
+        with self._kernel_logged:
+            seq = len(self._kernel)
+            self._kernel.append(KernelRecord(seq, self.uptime_usec(), priority, message))
+            self._kernel_logged.notify_all()
+
+    def reboot(self) -> None:
+        """A new boot (called by the `reboot` fault, under the lock): a fresh boot id, an empty kernel log
+        whose seq and uptime start again at 0, and the driver's load lines. The timeline keeps its clock."""
+        with self._kernel_logged:
+            self._state.boot_id = str(uuid.uuid4())
+            self._kernel = []
+            self._boot_started = self._clock()
+            self._log_driver_load()
+            self._kernel_logged.notify_all()
 
     def emit_xid(self, gpu: FakeGpu, code: int) -> None:
         """Deliver an XID to NVML's event API (called by faults, under the lock)."""

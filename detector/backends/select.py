@@ -17,16 +17,18 @@ class BackendError(Exception):
 
 
 def open_host(spec: str, *, node_name: str | None = None, sysfs_root: Path | None = None,
-              nvidia_smi: str | None = None) -> Host:
+              nvidia_smi: str | None = None, kernel_cursor: Path | None = None) -> Host:
+    """`kernel_cursor`: where the kernel-log reader keeps its place across restarts (the daemon's)."""
     kind, _, arg = spec.partition(":")
     if kind == "real" and not arg:
-        return _real_host(node_name or socket.gethostname(), sysfs_root or Path("/sys"), nvidia_smi or "nvidia-smi")
+        return _real_host(node_name or socket.gethostname(), sysfs_root or Path("/sys"), nvidia_smi or "nvidia-smi",
+                          kernel_cursor)
     if kind == "fake" and arg:
-        return _fake_host(arg, node_name, sysfs_root, nvidia_smi)
+        return _fake_host(arg, node_name, sysfs_root, nvidia_smi, kernel_cursor)
     raise BackendError(f"--nvml {spec!r}: expected 'real', 'fake:SCENARIO' or 'fake:PATH.yaml'")
 
 
-def _real_host(node_name: str, sysfs_root: Path, nvidia_smi: str) -> Host:
+def _real_host(node_name: str, sysfs_root: Path, nvidia_smi: str, kernel_cursor: Path | None) -> Host:
     import pynvml
 
     from detector.core.inventory import nvml_error_name
@@ -40,7 +42,7 @@ def _real_host(node_name: str, sysfs_root: Path, nvidia_smi: str) -> Host:
     except pynvml.NVMLError as e:
         # The library is there but unusable (driver not loaded, version mismatch): that is a node finding.
         init_error = nvml_error_name(e)
-    boot_id, kernel_log = live_kernel_log()
+    boot_id, kernel_log = live_kernel_log(cursor_file=kernel_cursor)
     return Host(node_name, pynvml, SubprocessSmi([nvidia_smi]), SysfsPciBus(sysfs_root),
                 nvml_init_error=init_error, kernel_log=kernel_log, boot_id=boot_id,
                 close=_shutdown(pynvml) if init_error is None else (lambda: None))
@@ -69,7 +71,8 @@ def _shutdown(nvml: Any):
     return close
 
 
-def _fake_host(scenario: str, node_name: str | None, sysfs_root: Path | None, nvidia_smi: str | None) -> Host:
+def _fake_host(scenario: str, node_name: str | None, sysfs_root: Path | None, nvidia_smi: str | None,
+               kernel_cursor: Path | None) -> Host:
     import shutil
     import tempfile
 
@@ -83,13 +86,14 @@ def _fake_host(scenario: str, node_name: str | None, sysfs_root: Path | None, nv
     except SourceError as e:
         raise BackendError(f"fake scenario: {e}") from None
     if not nvidia_smi:
-        return fake_host(loaded.build(node_name), sysfs_root=sysfs_root)
+        return fake_host(loaded.build(node_name), sysfs_root=sysfs_root, kernel_cursor=kernel_cursor)
     # An external fake-nvidia-smi reads the node through a state file kept current on every fault.
     tmp = Path(tempfile.mkdtemp(prefix="gpu-npd-fake-"))
     state_file = tmp / "state.json"
     node = loaded.build(node_name, on_change=mirror_to(state_file))
     save_state(node, state_file)
-    host = fake_host(node, sysfs_root=sysfs_root, smi_command=[nvidia_smi], smi_env={STATE_ENV: str(state_file)})
+    host = fake_host(node, sysfs_root=sysfs_root, smi_command=[nvidia_smi], smi_env={STATE_ENV: str(state_file)},
+                     kernel_cursor=kernel_cursor)
     shutdown = host.close
 
     def close() -> None:

@@ -81,8 +81,9 @@ class Daemon:
             if self.reporter is not None:
                 self.reporter.start(sleep=self.stop.wait, stopping=self.stop.is_set)
                 threads.append(self._spawn("sender", self._send_loop))
-            if self.settings.watch_kernel_log and self.host.kernel_log is not None and any(
-                    c.name == "xid" for c in self.agent.checks):
+            reader = self.host.kernel_log
+            if (self.settings.watch_kernel_log and reader is not None and getattr(reader, "wait_is_cheap", True)
+                    and hasattr(reader, "wait") and any(c.name == "xid" for c in self.agent.checks)):
                 threads.append(self._spawn("kernel-log", self._watch_kernel_log))
             self._schedule_loop()
         except ApiError as e:

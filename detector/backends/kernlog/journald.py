@@ -8,6 +8,7 @@ import json
 import logging
 import shutil
 import subprocess
+import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Literal
 
@@ -21,6 +22,7 @@ Runner = Callable[..., "subprocess.CompletedProcess[bytes]"]
 
 DEFAULT_MAX_ENTRIES = 5_000    # per run, so a flood costs several runs, not one unbounded JSON dump
 RESET_AFTER_FAILURES = 3       # a cursor journalctl keeps refusing is dropped (start again at the end)
+WAIT_MAX_S = 1.0               # the longest wait(): each look costs a journalctl run, so no faster than this
 
 
 @dataclass
@@ -112,6 +114,7 @@ class JournaldReader:
         self.max_entries = max_entries
         self._which = which
         self.stats = JournaldStats()
+        self._wake = threading.Event()
         self.cursor: str | None = None        # the journal cursor of the last entry dealt with
         self._cursor_boot: str | None = None
         self._end_known = start == "beginning"   # "end": not yet learnt where the journal ends
@@ -157,6 +160,20 @@ class JournaldReader:
         self._save()
         self.stats.entries += len(lines)
         return lines
+
+    wait_is_cheap = False       # the daemon leaves journald to the xid check's interval instead
+
+    def wait(self, timeout_s: float) -> bool:
+        """Sleep min(timeout_s, WAIT_MAX_S), then True: the reader runs journalctl once per read and has no
+        descriptor to block on (`journalctl -f` would need a process kept alive), so every wait ends in a
+        look. `wake` ends it early."""
+        if self._wake.wait(min(timeout_s, WAIT_MAX_S)):
+            self._wake.clear()
+        return True
+
+    def wake(self) -> None:
+        """End a `wait` in another thread now (shutting down)."""
+        self._wake.set()
 
     def _run(self, argv: list[str]) -> tuple[bytes, str]:
         """(stdout, status): "ok"; "exit" (ran, exited non-zero); "timeout" (stdout: the whole lines

@@ -11,6 +11,9 @@ import errno
 import logging
 import os
 import re
+import select
+import stat
+import threading
 import time
 from dataclasses import dataclass
 from typing import Callable, Literal, Protocol
@@ -30,7 +33,12 @@ _ESCAPE = re.compile(rb"\\x([0-9a-fA-F]{2})")
 
 
 class KmsgDevice(Protocol):
-    """What /dev/kmsg offers a reader (and what a fake must reproduce)."""
+    """What /dev/kmsg offers a reader (and what a fake must reproduce).
+
+    A device may also offer ``wait(timeout_s) -> bool`` and ``wake()`` (block until a record may be
+    readable, and interrupt that from another thread), and ``boot_id``/``boot_time`` when it can outlive
+    a boot (a fake node that reboots); KmsgReader uses them when present.
+    """
 
     def read_record(self) -> bytes:
         """One whole record. BlockingIOError: none left for now. BrokenPipeError: the next record was
@@ -55,6 +63,17 @@ class DevKmsg:
             self._fd: int | None = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
         except OSError as e:
             raise KmsgUnavailable(e.errno, f"cannot open the kernel log: {e.strerror}", self.path) from e
+        try:
+            # A self-pipe in the same poll set lets wake() end a wait from another thread.
+            self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+            regular = stat.S_ISREG(os.fstat(self._fd).st_mode)
+        except OSError as e:
+            os.close(self._fd)
+            raise KmsgUnavailable(e.errno, f"cannot wait on the kernel log: {e.strerror}", self.path) from e
+        self._poller = select.poll()
+        self._poller.register(self._wake_r, select.POLLIN)
+        if not regular:     # a regular file polls as always readable: waiting on it would spin
+            self._poller.register(self._fd, select.POLLIN)
 
     def fileno(self) -> int:
         """For poll/select: /dev/kmsg is readable when a record is waiting."""
@@ -76,10 +95,31 @@ class DevKmsg:
         # SEEK_SET 0 is the oldest record in the buffer; SEEK_DATA would be "after the last syslog clear".
         os.lseek(self.fileno(), 0, os.SEEK_SET)
 
+    def wait(self, timeout_s: float) -> bool:
+        """Block until a record is readable, `wake` is called, or `timeout_s` passes (then False)."""
+        self.fileno()
+        events = self._poller.poll(max(timeout_s, 0.0) * 1000)
+        if any(fd == self._wake_r for fd, _ in events):
+            try:
+                while os.read(self._wake_r, 64):
+                    pass
+            except BlockingIOError:
+                pass
+        return bool(events)
+
+    def wake(self) -> None:
+        """End a `wait` in another thread now (the daemon shutting down); safe from any thread."""
+        try:
+            os.write(self._wake_w, b"\0")
+        except (BlockingIOError, OSError):   # the pipe is full (a wake is pending anyway) or closed
+            pass
+
     def close(self) -> None:
         if self._fd is not None:
             fd, self._fd = self._fd, None
             os.close(fd)
+            os.close(self._wake_r)
+            os.close(self._wake_w)
 
     def __enter__(self) -> "DevKmsg":
         return self
@@ -170,6 +210,7 @@ class KmsgStats:
     overruns: int = 0       # EPIPE: the reader fell behind the ring buffer
     lost_records: int = 0   # records overwritten before they could be read (sequence gaps)
     errors: int = 0         # other device errors
+    reboots: int = 0        # the device moved on to a new boot (a fake node only: a real reboot ends us)
 
 
 class KmsgReader:
@@ -178,6 +219,9 @@ class KmsgReader:
     The cursor holds ``{"boot_id", "seq"}``: every record of that boot with seq <= cursor has been dealt
     with. In the same boot a new reader resumes right after it; in another boot (or with no cursor) it
     honours `start`: "end" skips what is in the buffer now, "beginning" hands out all of it.
+
+    A device with a ``boot_id`` can change boots under the reader (a fake node's `reboot` fault): the
+    reader then starts over at the new boot's first record, with a cursor of the new boot.
     """
 
     def __init__(self, device: KmsgDevice, boot_id: str | None, boot_time: float, cursor: CursorStore,
@@ -193,6 +237,8 @@ class KmsgReader:
         self.stats = KmsgStats()
         self._last_seq: int | None = None     # the newest seq dealt with; None: nothing yet
         self.resumed = False                  # True when a saved cursor of this boot was honoured
+        self._device_boot: str | None = getattr(device, "boot_id", None)   # None: the device cannot tell
+        self._wake = threading.Event()        # ends the sleep of a device that cannot wait itself
 
         saved = cursor.load()
         saved_seq = saved.get("seq") if saved else None
@@ -246,13 +292,15 @@ class KmsgReader:
         limit = self.batch_limit if max_records is None else max_records
         out: list[LogLine] = []
         read = self.device.read_record
+        self._follow_boot()
         while len(out) < limit:
             try:
                 raw = read()
             except BlockingIOError:
                 break
             except BrokenPipeError:
-                self.stats.overruns += 1    # the position moved to the oldest record; the gap counts the loss
+                if not self._follow_boot():
+                    self.stats.overruns += 1    # the position moved to the oldest record; the gap counts the loss
                 continue
             except OSError as e:
                 self.stats.errors += 1
@@ -277,6 +325,45 @@ class KmsgReader:
         self.stats.records += len(out)
         self._save()
         return out
+
+    def wait(self, timeout_s: float) -> bool:
+        """Block until records may be available (True; it may be spurious) or `timeout_s` passes (False),
+        so a caller reacts to a new line at once without polling fast. Never raises."""
+        wait = getattr(self.device, "wait", None)
+        if wait is not None:
+            try:
+                return bool(wait(timeout_s))
+            except OSError as e:
+                self.stats.errors += 1
+                log.warning("cannot wait on the kernel log: %s", e)
+        if self._wake.wait(timeout_s):          # no way to block on the device: sleep, then look anyway
+            self._wake.clear()
+        return True
+
+    def wake(self) -> None:
+        """End a `wait` in another thread now (shutting down)."""
+        self._wake.set()
+        wake = getattr(self.device, "wake", None)
+        if wake is not None:
+            wake()
+
+    def _follow_boot(self) -> bool:
+        """True when the device has moved on to another boot: the cursor restarts at that boot's first
+        record. A real daemon never sees this (a reboot ends it); one reading a fake node does."""
+        if self._device_boot is None:
+            return False
+        boot = getattr(self.device, "boot_id", None)
+        if boot is None or boot == self._device_boot:
+            return False
+        log.info("the kernel log moved from boot %s to %s: reading the new boot from its start",
+                 self._device_boot, boot)
+        self.stats.reboots += 1
+        self._device_boot = self.boot_id = boot
+        self._last_seq = None
+        self._seek(self.device.seek_beginning)
+        self.boot_time = getattr(self.device, "boot_time", self.boot_time)   # the device's, once it follows
+        self._save()
+        return True
 
     def _save(self) -> None:
         if self.boot_id:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +26,7 @@ MAX_LINE = 1 << 20              # a line this long without a newline is handed o
 HEAD_BYTES = 64                 # fingerprint of a file's start: an inode number alone is reused quickly
 COUNT_LINES_UP_TO = 256 << 20   # starting at the end of a bigger file leaves its line numbers unknown
 DEFAULT_BATCH_LIMIT = 50_000    # lines per read_available when the caller sets no limit (memory stays flat)
+WAIT_POLL_S = 0.05              # how often wait() looks at the file: cheap stats, and no inotify dependency
 
 
 @dataclass
@@ -82,6 +84,7 @@ class LogFileTail:
         self._cur: _OpenFile | None = None
         self._old: _OpenFile | None = None          # the file before the last rotation, drained until quiet
         self._saved = cursor.load()                 # consulted once, for the first file opened
+        self._wake = threading.Event()
         self._open_current(initial=True)
 
     # -- reading --------------------------------------------------------------------------------
@@ -101,6 +104,40 @@ class LogFileTail:
         self.stats.lines += len(out)
         self._save()
         return out
+
+    def wait(self, timeout_s: float) -> bool:
+        """Block until the file may hold new lines (True) or `timeout_s` passes (False), looking at its
+        size and inode every WAIT_POLL_S seconds. `wake` ends it early (True)."""
+        deadline = time.monotonic() + timeout_s
+        while not self._changed():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            if self._wake.wait(min(WAIT_POLL_S, left)):
+                break
+        self._wake.clear()
+        return True
+
+    def wake(self) -> None:
+        """End a `wait` in another thread now (shutting down)."""
+        self._wake.set()
+
+    def _changed(self) -> bool:
+        """Whether read_available has something to do: bytes past what was read (or a shrunk file), lines
+        held back by a limit, a rotation, the path appearing, or a rotated file due to be retired."""
+        try:
+            for of in (self._old, self._cur):
+                if of is not None and (b"\n" in of.buf or os.fstat(of.f.fileno()).st_size != of.pos):
+                    return True
+            if self._old is not None and self.clock() - self._old.last_activity >= self.rotate_wait_s:
+                return True
+            cur = self._cur
+            st = os.stat(self.path)
+        except FileNotFoundError:
+            return False
+        except OSError:
+            return False          # read_available reports the error; waiting goes on
+        return cur is None or (st.st_ino, st.st_dev) != (cur.inode, cur.dev)
 
     def close(self) -> None:
         for of in (self._old, self._cur):

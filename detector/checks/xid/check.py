@@ -166,7 +166,7 @@ class XidCheck(Check):
         for e in events:
             bus = e.gpu.pci_bus_id or ""
             event = KernelEvent("xid", e.code, bus, "reported by NVML's event API")
-            run.take(event, None, ctx.host.boot_id, e.arrived, "nvml")
+            run.take(event, None, ctx.host.current_boot(), e.arrived, "nvml")
         return len(events)
 
 

@@ -198,10 +198,12 @@ def _observations(run: CheckRun) -> list:
 
 
 def _checks_per_type(ruleset: RuleSet, loaded: set[str]) -> dict[str, set[str]]:
+    """For each condition type, the loaded checks that can produce it. A type none of them can produce
+    is never judged: with its check switched off, the node keeps whatever that type says."""
     needs: dict[str, set[str]] = {}
     for rule in ruleset.rules:
         if rule.report != "condition":
             continue
         checks = {"*"} if rule.checks is None else set(rule.checks) & loaded
         needs.setdefault(rule.type, set()).update(checks)
-    return needs
+    return {t: checks for t, checks in needs.items() if checks - {"*"} or checks == {"*"}}

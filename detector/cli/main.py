@@ -106,8 +106,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_scenarios)
 
     from detector.cli.daemon import add_daemon_parsers
+    from detector.cli.demo import add_demo_parser
 
     add_daemon_parsers(sub)
+    add_demo_parser(sub)
     return parser
 
 

@@ -84,6 +84,7 @@ class Problem:
     report: str               # "condition" or "event"
     gpus: tuple[GpuRef, ...] = ()
     time: float = field(default_factory=time.time)
+    occurrences: int = 1      # how many times it happened in this run (identical XID lines add up)
 
     def to_dict(self) -> dict[str, Any]:
         return {

@@ -74,8 +74,8 @@ class EventReporter:
         self._lock = threading.Lock()
         self.last_error: ApiError | None = None
 
-    def record(self, event_type: str, reason: str, message: str) -> None:
-        """One occurrence. `event_type` is Kubernetes' Normal or Warning."""
+    def record(self, event_type: str, reason: str, message: str, occurrences: int = 1) -> None:
+        """`occurrences` of one event. `event_type` is Kubernetes' Normal or Warning."""
         now = self.clock()
         message = message[:MESSAGE_LIMIT]
         with self._lock:
@@ -86,10 +86,10 @@ class EventReporter:
                 key = (event_type, reason, message)
             series = self._series.get(key)
             if series is not None and (now - series.last <= self.settings.window_s or series.pending):
-                series.count, series.last, series.message = series.count + 1, now, message
+                series.count, series.last, series.message = series.count + occurrences, now, message
                 self._series.move_to_end(key)
                 return
-            self._series[key] = _Series(key, self._name(now), message, now, now)
+            self._series[key] = _Series(key, self._name(now), message, now, now, occurrences)
             self._series.move_to_end(key)
             self._bound()
 

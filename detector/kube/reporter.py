@@ -93,7 +93,7 @@ class KubeReporter(AgentSink):
 
     def events(self, problems: list[Problem]) -> None:
         for p in problems:
-            self.event_out.record(_event_type(p.severity), p.reason, p.message)
+            self.event_out.record(_event_type(p.severity), p.reason, p.message, p.occurrences)
         self._pending()
 
     def _pending(self) -> None:

@@ -79,6 +79,7 @@ class Rule:
             rule=self.name, check=hits[0].check, type=self.type, reason=self.reason,
             message=compose_message(parts, action), severity=self.severity, action=action,
             report=self.report, gpus=tuple(gpus), time=max(o.time for o in hits),
+            occurrences=sum(_count(o) for o in hits),
         )
 
 
@@ -89,6 +90,11 @@ class Rule:
                 if isinstance(value, str) and value in ACTIONS:
                     return value
         return self.action
+
+
+def _count(obs: Observation) -> int:
+    count = obs.fields.get("count")
+    return count if isinstance(count, int) and not isinstance(count, bool) and count > 0 else 1
 
 
 def compose_message(parts: Sequence[str], action: str) -> str:

@@ -200,6 +200,8 @@ class _Run:
             group = self.aggregator.find(event.kind, event.code, event.pci_bus_id)
             if group is not None:
                 group.sources.add(source)       # the same XID through the other source: count once
+                if source == "kernel":          # the kernel's line says more (message, process)
+                    group.first, group.line = event, lineno
             return
         self.aggregator.add(event, boot, lineno, source, when)
 

@@ -1,0 +1,99 @@
+#!/usr/bin/env python3
+"""The daemon's footprint at steady state: memory, CPU and API requests.
+
+Starts the Kubernetes API emulator in this process and `gpu-npd run` on a fake 8x H100 node
+(`--nvml fake:h100-sxm-8`, default rules, default intervals and heartbeat) in a child process, lets it
+settle, then measures the child over the steady window: RSS (peak of samples taken each second), CPU
+time as millicores, and the API requests the emulator received. Budgets (DESIGN section 8): RSS <= 60
+MiB, CPU <= 5 millicores, API requests at or below node-problem-detector's one PATCH per node per 5 min.
+The last line printed is a JSON object of the figures.
+
+    .venv/bin/python bench/footprint.py                 # 60 s window after 15 s of settling
+    .venv/bin/python bench/footprint.py --duration 600  # long enough to include heartbeats
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from kube_emulator import Emulator  # noqa: E402
+
+NODE = "footprint-node"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--duration", type=float, default=60.0, help="steady window, seconds (default 60)")
+    parser.add_argument("--settle", type=float, default=15.0, help="seconds before the window (default 15)")
+    parser.add_argument("--heartbeat", type=float, default=300.0, help="the daemon's --heartbeat (default 300)")
+    args = parser.parse_args()
+
+    workdir = Path(tempfile.mkdtemp(prefix="gpu-npd-footprint-"))
+    with Emulator(rbac_paths=(ROOT / "deploy" / "base",)) as emulator:
+        emulator.create_node(NODE, labels={"nvidia.com/gpu.present": "true"})
+        kubeconfig = emulator.write_kubeconfig(workdir / "kubeconfig")
+        gpu_npd = Path(sys.executable).with_name("gpu-npd")
+        command = [str(gpu_npd), "run", "--nvml", "fake:h100-sxm-8", "--node-name", NODE,
+                   "--kubeconfig", str(kubeconfig), "--listen", "127.0.0.1:0", "--state-dir", str(workdir / "state"),
+                   "--heartbeat", str(args.heartbeat), "--log-format", "json"]
+        child = subprocess.Popen(command, stderr=open(workdir / "daemon.log", "wb"))
+        proc = psutil.Process(child.pid)
+        try:
+            startup_peak = _sample_until(proc, time.monotonic() + args.settle)
+            startup_requests = emulator.stats()["total"]
+            cpu0, t0 = _cpu_s(proc), time.monotonic()
+            steady_peak = _sample_until(proc, t0 + args.duration)
+            cpu1, t1 = _cpu_s(proc), time.monotonic()
+            window_requests = emulator.stats()["total"] - startup_requests
+            conditions = [c["type"] for c in emulator.node(NODE)["status"]["conditions"]]
+        finally:
+            child.send_signal(signal.SIGTERM)
+            stopped_at = time.monotonic()
+            code = child.wait(timeout=30)
+            stop_s = time.monotonic() - stopped_at
+
+    per_hour = window_requests * 3600 / (t1 - t0)
+    result = {
+        "rss_mib": round(steady_peak / 2**20, 1), "startup_rss_mib": round(startup_peak / 2**20, 1),
+        "cpu_millicores": round((cpu1 - cpu0) / (t1 - t0) * 1000, 2),
+        "api_requests_per_hour": round(per_hour, 1), "window_requests": window_requests,
+        "startup_requests": startup_requests, "window_s": round(t1 - t0, 1), "heartbeat_s": args.heartbeat,
+        "npd_requests_per_hour": 12, "sigterm_exit_code": code, "sigterm_stop_s": round(stop_s, 2),
+        "conditions_on_node": conditions, "budget_rss_mib": 60, "budget_cpu_millicores": 5,
+    }
+    print(f"gpu-npd run, fake 8x H100, {result['window_s']} s steady: RSS {result['rss_mib']} MiB "
+          f"(startup peak {result['startup_rss_mib']}), CPU {result['cpu_millicores']} millicores, "
+          f"{window_requests} API requests in the window ({result['api_requests_per_hour']}/h); "
+          f"SIGTERM -> exit {code} in {result['sigterm_stop_s']} s")
+    print(json.dumps(result))
+    return 0
+
+
+def _cpu_s(proc: psutil.Process) -> float:
+    t = proc.cpu_times()
+    return t.user + t.system
+
+
+def _sample_until(proc: psutil.Process, deadline: float) -> int:
+    peak = 0
+    while time.monotonic() < deadline:
+        peak = max(peak, proc.memory_info().rss)
+        time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+    return max(peak, proc.memory_info().rss)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,104 @@
+"""The daemon on a fake GPU node against an in-process Kubernetes API emulator, all in one process.
+
+`make demo`, the latency and footprint benchmarks and the end-to-end tests share this: the same
+Daemon as `gpu-npd run`, with the fake node in hand so faults can be injected on purpose.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from detector.cli.main import builtin_rules_dir
+from detector.config import build_checks
+from detector.core.check import CheckRegistry
+from detector.daemon.run import Daemon, DaemonSettings
+from detector.kube.api import KubeApi, load_api_client
+from detector.rules.loader import load_rules
+from fake_nvml.host import fake_host
+from fake_nvml.node import FakeNode
+from fake_nvml.scenario import load_scenario
+from kube_emulator import Emulator
+
+SERVICE_ACCOUNT = "system:serviceaccount:gpu-npd:gpu-npd"
+REPO_DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "base"
+
+
+@dataclass
+class LocalDaemon:
+    emulator: Emulator
+    node: FakeNode
+    daemon: Daemon
+    workdir: Path
+    thread: threading.Thread | None = None
+    exit_code: int | None = None
+    _owns_emulator: bool = True
+
+    @property
+    def node_name(self) -> str:
+        return self.node.name
+
+    def start(self) -> "LocalDaemon":
+        def target() -> None:
+            self.exit_code = self.daemon.run()
+        self.thread = threading.Thread(target=target, name=f"daemon-{self.node_name}", daemon=True)
+        self.thread.start()
+        return self
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self.daemon.stop.set()
+        if self.thread is not None:
+            self.thread.join(timeout_s)
+        if self._owns_emulator:
+            self.emulator.stop()
+
+    def conditions(self) -> dict[str, dict[str, Any]]:
+        node = self.emulator.node(self.node_name)
+        return {c["type"]: c for c in node.get("status", {}).get("conditions", [])}
+
+    def events(self) -> list[dict[str, Any]]:
+        return [e for e in self.emulator.events() if e.get("involvedObject", {}).get("name") == self.node_name]
+
+    def wait_for(self, predicate: Callable[[], bool], timeout_s: float = 10.0, poll_s: float = 0.005) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if predicate():
+                return True
+            time.sleep(poll_s)
+        return predicate()
+
+
+def local_daemon(scenario: str = "h100-sxm-8", node_name: str = "gpu-node-1", *,
+                 settings: DaemonSettings | None = None, check_settings: dict[str, Any] | None = None,
+                 checks: list[str] | None = None, emulator: Emulator | None = None,
+                 state_dir: Path | None = None, workdir: Path | None = None,
+                 user: str = SERVICE_ACCOUNT, rbac: Path = REPO_DEPLOY, node: FakeNode | None = None) -> LocalDaemon:
+    """Build (not start) a daemon for a fresh fake node registered on an emulator (started if not given)."""
+    workdir = workdir or Path(tempfile.mkdtemp(prefix="gpu-npd-local-"))
+    owns = emulator is None
+    if emulator is None:
+        emulator = Emulator(rbac_paths=(rbac,))
+        emulator.start()
+    node = node or load_scenario(scenario).build(node_name)
+    if not _has_node(emulator, node.name):
+        emulator.create_node(node.name, labels={"nvidia.com/gpu.present": "true"},
+                             capacity={"nvidia.com/gpu": str(len(node.snapshot().gpus))})
+    kubeconfig = emulator.write_kubeconfig(workdir / f"{node.name}.kubeconfig", user=user)
+    settings = settings or DaemonSettings(listen="127.0.0.1:0")
+    if state_dir is not None:
+        state_dir.mkdir(parents=True, exist_ok=True)
+        settings.agent.state_dir = state_dir
+    host = fake_host(node, kernel_cursor=state_dir / "kmsg-cursor.json" if state_dir else None)
+    registry = CheckRegistry.from_entry_points()
+    ruleset = load_rules([builtin_rules_dir()], registry.fields_by_check())
+    api = KubeApi(load_api_client(str(kubeconfig)), qps=50.0, burst=100)
+    daemon = Daemon(host, build_checks(registry, checks, check_settings or {}), ruleset, api, settings)
+    return LocalDaemon(emulator, node, daemon, workdir, _owns_emulator=owns)
+
+
+def _has_node(emulator: Emulator, name: str) -> bool:
+    return any(n["metadata"]["name"] == name for n in emulator.nodes())

@@ -115,6 +115,7 @@ def test_restart_neither_resets_nor_duplicates(running, emulator, tmp_path):
     first.node.inject(Fault("xid", gpu=2, params={"code": 48, "via": "kernel"}))
     assert first.wait_for(lambda: status(first, "GpuXidError") == "True")
     before = first.conditions()["GpuXidError"]
+    assert first.wait_for(lambda: any(e["reason"] == before["reason"] for e in first.events()))
     events_before = first.events()
     first.daemon.stop.set()
     first.thread.join(10)

@@ -88,7 +88,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from detector.backends.select import open_host
     from detector.cli.main import UsageError, load_selected_checks, load_ruleset
     from detector.core.check import CheckRegistry
-    from detector.kube.api import ApiError, KubeApi, load_api_client
+    from detector.kube.api import ConfigError, KubeApi
 
     if not args.node_name:
         raise UsageError("no node name: set NODE_NAME (the DaemonSet sets it from spec.nodeName) or --node-name")
@@ -105,8 +105,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     api = None
     if not args.no_kube:
         try:
-            api = KubeApi(load_api_client(args.kubeconfig), qps=args.qps, burst=args.burst)
-        except (ApiError, OSError, ValueError) as e:
+            api = KubeApi.from_kubeconfig(args.kubeconfig, qps=args.qps, burst=args.burst)
+        except (ConfigError, OSError, ValueError) as e:
             raise UsageError(f"cannot configure the Kubernetes client: {e}") from None
     host = open_host(args.nvml, node_name=args.node_name, sysfs_root=args.sysfs_root, nvidia_smi=args.nvidia_smi,
                      kernel_cursor=state_dir / "kmsg-cursor.json" if state_dir else None)

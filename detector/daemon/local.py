@@ -17,7 +17,7 @@ from detector.cli.main import builtin_rules_dir
 from detector.config import build_checks
 from detector.core.check import CheckRegistry
 from detector.daemon.run import Daemon, DaemonSettings
-from detector.kube.api import KubeApi, load_api_client
+from detector.kube.api import KubeApi
 from detector.rules.loader import load_rules
 from fake_nvml.host import fake_host
 from fake_nvml.node import FakeNode
@@ -95,7 +95,7 @@ def local_daemon(scenario: str = "h100-sxm-8", node_name: str = "gpu-node-1", *,
     host = fake_host(node, kernel_cursor=state_dir / "kmsg-cursor.json" if state_dir else None)
     registry = CheckRegistry.from_entry_points()
     ruleset = load_rules([builtin_rules_dir()], registry.fields_by_check())
-    api = KubeApi(load_api_client(str(kubeconfig)), qps=50.0, burst=100)
+    api = KubeApi.from_kubeconfig(str(kubeconfig), qps=50.0, burst=100)
     daemon = Daemon(host, build_checks(registry, checks, check_settings or {}), ruleset, api, settings)
     return LocalDaemon(emulator, node, daemon, workdir, _owns_emulator=owns)
 

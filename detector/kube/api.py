@@ -1,8 +1,8 @@
-"""The four API calls gpu-npd makes, through the official client, with a client-side QPS limit.
+"""The four API calls gpu-npd makes, with a client-side QPS limit.
 
-Responses are read as plain JSON (no model objects): cheaper in memory and CPU, which matters when one
-simulator process speaks for thousands of nodes. Failures become ApiError with what a caller needs to
-decide: retry (and when), or stop because a permission is missing.
+Responses are plain JSON (no model objects): cheap in memory and CPU, which matters when one simulator
+process speaks for thousands of nodes. Failures become ApiError with what a caller needs to decide:
+retry (and when), or stop because a permission is missing.
 """
 
 from __future__ import annotations
@@ -13,15 +13,18 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable
+from urllib.parse import quote
 
 import urllib3
-from kubernetes import client, config
-from kubernetes.client.exceptions import ApiException
 
+from detector.kube.connection import ConfigError, Connection, load_connection
 from detector.kube.pacing import TokenBucket
 
 EVENT_NAMESPACE = "default"     # where Kubernetes keeps events about cluster-scoped objects such as Nodes
-REQUEST_TIMEOUT = (5.0, 15.0)   # connect, read (seconds)
+REQUEST_TIMEOUT = urllib3.Timeout(connect=5.0, read=15.0)
+STRATEGIC_MERGE = "application/strategic-merge-patch+json"
+MERGE_PATCH = "application/merge-patch+json"
+USER_AGENT = "gpu-npd"
 
 
 class ApiError(Exception):
@@ -57,40 +60,35 @@ class RequestCounts:
             return sum(self.counts.values())
 
 
-def load_api_client(kubeconfig: str | None) -> client.ApiClient:
-    """A kubeconfig file, else the in-cluster service account. Retries are ours, not urllib3's."""
-    configuration = client.Configuration()
-    if kubeconfig:
-        config.load_kube_config(config_file=kubeconfig, client_configuration=configuration)
-    else:
-        try:
-            config.load_incluster_config(client_configuration=configuration)
-        except config.ConfigException as e:
-            raise ApiError(0, "NoConfig", f"not in a cluster and no --kubeconfig given ({e})") from None
-    configuration.retries = False
-    return client.ApiClient(configuration)
-
-
 class KubeApi:
-    def __init__(self, api_client: client.ApiClient, qps: float = 5.0, burst: int = 10,
-                 counts: RequestCounts | None = None, sleep: Callable[[float], None] = time.sleep):
-        self.core = client.CoreV1Api(api_client)
+    def __init__(self, connection: Connection, qps: float = 5.0, burst: int = 10,
+                 counts: RequestCounts | None = None, sleep: Callable[[float], None] = time.sleep,
+                 pool: urllib3.PoolManager | None = None):
+        self.connection = connection
+        self.http = pool or connection.pool()
         self.limiter = TokenBucket(qps, burst)
         self.counts = counts or RequestCounts()
         self._limiter_lock = threading.Lock()
         self._sleep = sleep
 
+    @classmethod
+    def from_kubeconfig(cls, kubeconfig: str | None, **kwargs: Any) -> "KubeApi":
+        """Raises ConfigError with a clear message when there is no usable configuration."""
+        return cls(load_connection(kubeconfig), **kwargs)
+
     def get_node(self, name: str) -> dict[str, Any]:
-        return self._call("get", "nodes", self.core.read_node, name)
+        return self._call("get", "nodes", "GET", f"/api/v1/nodes/{quote(name)}")
 
     def patch_node_status(self, name: str, body: dict[str, Any]) -> dict[str, Any]:
-        return self._call("patch", "nodes/status", self.core.patch_node_status, name, body)
+        return self._call("patch", "nodes/status", "PATCH", f"/api/v1/nodes/{quote(name)}/status", body,
+                          STRATEGIC_MERGE)
 
     def create_event(self, body: dict[str, Any], namespace: str = EVENT_NAMESPACE) -> dict[str, Any]:
-        return self._call("create", "events", self.core.create_namespaced_event, namespace, body)
+        return self._call("create", "events", "POST", f"/api/v1/namespaces/{quote(namespace)}/events", body)
 
     def patch_event(self, name: str, body: dict[str, Any], namespace: str = EVENT_NAMESPACE) -> dict[str, Any]:
-        return self._call("patch", "events", self.core.patch_namespaced_event, name, namespace, body)
+        return self._call("patch", "events", "PATCH", f"/api/v1/namespaces/{quote(namespace)}/events/{quote(name)}",
+                          body, MERGE_PATCH)
 
     def _pace(self) -> None:
         with self._limiter_lock:
@@ -98,32 +96,39 @@ class KubeApi:
                 self._sleep(wait)
             self.limiter.try_take()
 
-    def _call(self, verb: str, resource: str, method: Callable[..., Any], *args: Any) -> dict[str, Any]:
+    def _call(self, verb: str, resource: str, method: str, path: str, body: Any = None,
+              content_type: str = "application/json") -> dict[str, Any]:
         self._pace()
+        headers = {"Accept": "application/json", "User-Agent": USER_AGENT}
+        token = self.connection.bearer()
+        if token:
+            headers["Authorization"] = f"Bearer {token}"
+        payload = None
+        if body is not None:
+            payload, headers["Content-Type"] = json.dumps(body).encode(), content_type
         try:
-            response = method(*args, _preload_content=False, _request_timeout=REQUEST_TIMEOUT)
-            data = response.read()
-        except ApiException as e:
-            self.counts.add(verb, resource, str(e.status))
-            raise _api_error(e) from None
+            response = self.http.request(method, self.connection.server + path, body=payload, headers=headers,
+                                         timeout=REQUEST_TIMEOUT, retries=False, redirect=False)
         except (urllib3.exceptions.HTTPError, OSError) as e:
             self.counts.add(verb, resource, "error")
             raise ApiError(0, "ConnectionFailed", f"{type(e).__name__}: {e}") from None
         self.counts.add(verb, resource, str(response.status))
+        if not 200 <= response.status < 300:
+            raise _api_error(response)
         try:
-            return json.loads(data) if data else {}
+            return json.loads(response.data) if response.data else {}
         except ValueError:
             raise ApiError(response.status, "BadResponse", "the API server's answer is not JSON") from None
 
 
-def _api_error(e: ApiException) -> ApiError:
-    message, reason = str(e.reason or ""), "Error"
+def _api_error(response: urllib3.BaseHTTPResponse) -> ApiError:
+    message, reason = response.reason or "", "Error"
     try:
-        status = json.loads(e.body or b"{}")
+        status = json.loads(response.data or b"{}")
         message, reason = status.get("message", message), status.get("reason", reason) or reason
     except (ValueError, AttributeError):
         pass
-    return ApiError(int(e.status or 0), reason, message, _retry_after(e.headers))
+    return ApiError(response.status, reason, message, _retry_after(response.headers))
 
 
 def _retry_after(headers: Any) -> float | None:
@@ -132,3 +137,6 @@ def _retry_after(headers: Any) -> float | None:
         return max(0.0, float(value)) if value is not None else None
     except ValueError:
         return None           # an HTTP date: rare from the API server; fall back to our own backoff
+
+
+__all__ = ["ApiError", "ConfigError", "KubeApi", "RequestCounts"]

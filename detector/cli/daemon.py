@@ -78,10 +78,9 @@ def add_daemon_parsers(sub: Any) -> None:
                    help=f"the daemon's --state-dir (default: {DEFAULT_STATE_DIR})")
     c.set_defaults(func=cmd_clear)
 
-    e = sub.add_parser("emulator", help="run the bundled Kubernetes API emulator (tests and demos)",
-                       add_help=False)
-    e.add_argument("args", nargs=argparse.REMAINDER)
-    e.set_defaults(func=cmd_emulator)
+    # Listed here for `gpu-npd --help`; main() hands `gpu-npd emulator ...` to the emulator's own parser.
+    sub.add_parser("emulator", help="run the bundled Kubernetes API emulator (tests and demos); see "
+                                    "gpu-npd emulator --help")
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -137,9 +136,3 @@ def cmd_clear(args: argparse.Namespace) -> int:
     print(f"asked the daemon to clear {what} ({path}); it takes effect at its next check run")
     logging.getLogger("gpu_npd").info("clear requested: %s", what)
     return 0
-
-
-def cmd_emulator(args: argparse.Namespace) -> int:
-    from kube_emulator.cli import main as emulator_main
-
-    return emulator_main(args.args)

@@ -36,6 +36,11 @@ def builtin_rules_dir() -> Path:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["emulator"]:                 # its own parser and --help
+        from kube_emulator.cli import main as emulator_main
+
+        return emulator_main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):

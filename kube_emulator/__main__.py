@@ -1,0 +1,7 @@
+"""`python -m kube_emulator`."""
+
+import sys
+
+from kube_emulator.cli import main
+
+sys.exit(main())

@@ -1,0 +1,717 @@
+"""The emulator: core/v1 REST over real HTTP on loopback, so an unmodified Kubernetes client (and
+its connection pooling, retries and error handling) is what gets tested."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+from urllib.parse import parse_qsl, unquote, urlsplit
+
+import yaml
+
+from kube_emulator.faults import Decision, Faults
+from kube_emulator.patch import PATCH_TYPES, PatchError, UnsupportedPatchType, apply_patch
+from kube_emulator.rbac import (ADMIN, MASTERS, SA_PREFIX, Attributes, Authorizer, Tokens, User,
+                                forbidden_message, load_policy)
+from kube_emulator.stats import Stats
+from kube_emulator.store import (EVENTS, KINDS, NODES, ApiError, Kind, Store, bad_request, clone, rfc3339,
+                                  to_json)
+
+log = logging.getLogger("kube_emulator")
+
+DEFAULT_USER = "system:serviceaccount:gpu-npd:gpu-npd"
+HEALTH_PATHS = ("healthz", "livez", "readyz")
+VERSION = {"major": "1", "minor": "31", "gitVersion": "v1.31.0", "gitCommit": "0" * 40, "gitTreeState": "clean",
+           "buildDate": "2024-08-13T07:28:49Z", "goVersion": "go1.22.5", "compiler": "gc",
+           "platform": "linux/amd64"}
+_ALL_VERBS = ["create", "delete", "get", "list", "patch", "update"]
+API_RESOURCES = {
+    "kind": "APIResourceList", "apiVersion": "v1", "groupVersion": "v1",
+    "resources": [
+        {"name": "events", "singularName": "event", "namespaced": True, "kind": "Event", "verbs": _ALL_VERBS,
+         "shortNames": ["ev"]},
+        {"name": "nodes", "singularName": "node", "namespaced": False, "kind": "Node", "verbs": _ALL_VERBS,
+         "shortNames": ["no"]},
+        {"name": "nodes/status", "singularName": "", "namespaced": False, "kind": "Node",
+         "verbs": ["get", "patch", "update"]},
+    ]}
+
+_FAIL_TEXT = {
+    429: ("TooManyRequests", "Too many requests, please try again later."),
+    500: ("InternalError", "Internal error occurred: the server failed to handle the request"),
+    503: ("ServiceUnavailable", "The server is currently unable to handle the request"),
+    504: ("Timeout", "The server was unable to return a response in the time allotted, but may still be "
+                     "processing the request"),
+}
+
+
+# --- Requests, responses, routes ------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Request:
+    method: str
+    path: str
+    query: Mapping[str, str]
+    headers: Mapping[str, str]
+    body: bytes = b""
+
+    def json(self) -> Any:
+        try:
+            return json.loads(self.body)
+        except ValueError as e:
+            raise bad_request(f"the request body is not valid JSON: {e}") from None
+
+
+@dataclass
+class Response:
+    code: int
+    body: bytes = b""
+    content_type: str = "application/json"
+    headers: dict[str, str] = field(default_factory=dict)
+    drop: bool = False
+    close: bool = False
+    after: Callable[[], None] | None = None   # run once the response has been written
+
+    @classmethod
+    def of(cls, code: int, obj: Any, headers: dict[str, str] | None = None) -> "Response":
+        return cls(code, to_json(obj), headers=headers or {})
+
+    @classmethod
+    def raw(cls, code: int, body: bytes) -> "Response":
+        return cls(code, body)
+
+    @classmethod
+    def error(cls, e: ApiError) -> "Response":
+        return cls.of(e.code, e.status(), e.headers)
+
+
+@dataclass(frozen=True)
+class Route:
+    """Where a path leads: a resource (kind, namespace, name, subresource) or a fixed document."""
+
+    template: str
+    kind: Kind | None = None
+    namespace: str = ""
+    name: str = ""
+    subresource: str = ""
+    document: str = ""
+
+
+def route_for(path: str) -> Route | None:
+    parts = [unquote(p) for p in path.split("/") if p]
+    if not parts:
+        return Route("/", document="root")
+    if len(parts) == 1 and parts[0] in HEALTH_PATHS + ("version", "api", "apis"):
+        return Route("/" + parts[0], document=parts[0])
+    if parts[:2] != ["api", "v1"]:
+        return None
+    rest = parts[2:]
+    if not rest:
+        return Route("/api/v1", document="api/v1")
+    namespace = ""
+    if rest[0] == "namespaces" and len(rest) >= 3:
+        namespace, rest = rest[1], rest[2:]
+    kind = KINDS.get(rest[0])
+    if kind is None or len(rest) > 3:
+        return None
+    name = rest[1] if len(rest) > 1 else ""
+    sub = rest[2] if len(rest) > 2 else ""
+    if kind.namespaced and not namespace and name:
+        return None   # /api/v1/events/{name}: only the cross-namespace list exists
+    if not kind.namespaced and namespace:
+        return None
+    if sub and (sub != "status" or not kind.has_status):
+        return None
+    return Route(kind.resource + (f"/{sub}" if sub else ""), kind, namespace, name, sub)
+
+
+def verb_for(method: str, route: Route | None, query: Mapping[str, str]) -> str:
+    """The Kubernetes authorization verb of a request."""
+    if route is None or route.kind is None:
+        return method.lower()
+    if method in ("GET", "HEAD"):
+        if route.name:
+            return "get"
+        return "watch" if query.get("watch", "").lower() in ("1", "true") else "list"
+    return {"POST": "create", "PUT": "update", "PATCH": "patch",
+            "DELETE": "delete" if route.name else "deletecollection"}.get(method, method.lower())
+
+
+def _allowed(route: Route, verb: str) -> bool:
+    if route.subresource:
+        return verb in ("get", "update", "patch")
+    if route.name:
+        return verb in ("get", "update", "patch", "delete")
+    if verb == "create":
+        return route.kind is not None and (not route.kind.namespaced or bool(route.namespace))
+    return verb == "list"
+
+
+def _bearer(headers: Mapping[str, str]) -> str | None:
+    value = headers.get("Authorization") or headers.get("authorization") or ""
+    scheme, _, token = value.partition(" ")
+    return token.strip() if scheme.lower() == "bearer" else None
+
+
+# --- HTTP transport --------------------------------------------------------------------------------
+
+class _HttpServer(ThreadingHTTPServer):
+    daemon_threads = True
+    block_on_close = False          # keep-alive connections are closed by close_connections instead
+    request_queue_size = 1024       # hundreds of clients connecting at once must not overflow the backlog
+    allow_reuse_address = True      # up() binds the same port again at once
+
+    def __init__(self, address: tuple[str, int], app: "Emulator"):
+        self.app = app
+        self._connections: set[socket.socket] = set()
+        self._connections_lock = threading.Lock()
+        self._closing = False
+        if ":" in address[0]:
+            self.address_family = socket.AF_INET6
+        super().__init__(address, _Handler)
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        if isinstance(sys.exc_info()[1], OSError):
+            return   # the client went away, or down() closed the connection under the handler
+        log.exception("kube-emulator: error serving %s", client_address)
+
+    def track(self, conn: socket.socket, alive: bool) -> None:
+        with self._connections_lock:
+            (self._connections.add if alive else self._connections.discard)(conn)
+            late = alive and self._closing   # accepted just before down(): must not outlive it
+        if late:
+            _shutdown(conn)
+
+    def close_connections(self) -> None:
+        with self._connections_lock:
+            self._closing = True
+            connections = list(self._connections)
+        for conn in connections:
+            _shutdown(conn)
+
+
+def _shutdown(conn: socket.socket) -> None:
+    try:
+        conn.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+
+
+class _Headers(dict):
+    """Request headers by lower-cased name; the stdlib's email-based parser costs more than the
+    rest of a request."""
+
+    def get(self, name: str, default: Any = None) -> Any:  # type: ignore[override]
+        return super().get(name.lower(), default)
+
+    def __getitem__(self, name: str) -> str:
+        return super().__getitem__(name.lower())
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and super().__contains__(name.lower())
+
+
+_MAX_HEADERS = 100
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    disable_nagle_algorithm = True
+    server: _HttpServer
+
+    def setup(self) -> None:
+        super().setup()
+        self.server.track(self.connection, True)
+
+    def finish(self) -> None:
+        try:
+            super().finish()
+        finally:
+            self.server.track(self.connection, False)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+    def parse_request(self) -> bool:
+        """A lean HTTP/1.x request-line and header parser; the stdlib's is the bottleneck under load."""
+        self.command, self.request_version = "", self.default_request_version
+        self.close_connection = True
+        line = str(self.raw_requestline, "latin-1").rstrip("\r\n")
+        self.requestline = line
+        parts = line.split()
+        if len(parts) != 3 or not parts[2].startswith("HTTP/1."):
+            self.send_error(400, f"Bad request line {line!r}")
+            return False
+        self.command, self.path, self.request_version = parts
+        headers = _Headers()
+        for _ in range(_MAX_HEADERS + 1):
+            raw = self.rfile.readline(65537)
+            if raw in (b"\r\n", b"\n", b""):
+                break
+            name, _, value = str(raw, "latin-1").partition(":")
+            headers[name.strip().lower()] = value.strip()
+        else:
+            self.send_error(431, "Too many headers")
+            return False
+        self.headers = headers  # type: ignore[assignment]
+        connection = headers.get("connection", "").lower()
+        self.close_connection = connection == "close" or (self.request_version == "HTTP/1.0"
+                                                          and connection != "keep-alive")
+        if headers.get("expect", "").lower() == "100-continue":
+            self.wfile.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        return True
+
+    def _serve(self) -> None:
+        body = self._read_body()
+        url = urlsplit(self.path)
+        request = Request(self.command, url.path, dict(parse_qsl(url.query, keep_blank_values=True)),
+                          self.headers, body)
+        response = self.server.app.handle(request)
+        if response.drop:
+            self.close_connection = True
+            return
+        self._write(response)
+        if response.after is not None:
+            response.after()
+
+    do_GET = do_HEAD = do_POST = do_PUT = do_PATCH = do_DELETE = do_OPTIONS = _serve
+
+    def _read_body(self) -> bytes:
+        if "chunked" in (self.headers.get("Transfer-Encoding") or "").lower():
+            chunks = []
+            while True:
+                size = int(self.rfile.readline().split(b";")[0].strip() or b"0", 16)
+                if size == 0:
+                    while self.rfile.readline() not in (b"\r\n", b"\n", b""):
+                        pass
+                    return b"".join(chunks)
+                chunks.append(self.rfile.read(size))
+                self.rfile.readline()
+        length = int(self.headers.get("Content-Length") or 0)
+        return self.rfile.read(length) if length > 0 else b""
+
+    def _write(self, response: Response) -> None:
+        reason = self.responses.get(response.code, ("",))[0]
+        lines = [f"HTTP/1.1 {response.code} {reason}", f"Content-Type: {response.content_type}",
+                 f"Content-Length: {len(response.body)}", "Cache-Control: no-cache, private"]
+        lines += [f"{k}: {v}" for k, v in response.headers.items()]
+        if response.close:
+            self.close_connection = True
+        if self.close_connection:
+            lines.append("Connection: close")
+        elif self.request_version == "HTTP/1.0":
+            lines.append("Connection: keep-alive")
+        head = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+        self.wfile.write(head if self.command == "HEAD" else head + response.body)
+
+
+# --- The emulator ---------------------------------------------------------------------------------
+
+class Emulator:
+    """An in-process Kubernetes API server for core/v1 Nodes and Events.
+
+    Several may run in one process: each has its own objects, tokens, RBAC, faults and stats.
+    """
+
+    def __init__(self, rbac_paths: Sequence[Path] = (Path("deploy/base"),), clock: Callable[[], float] = time.time):
+        self.clock = clock
+        self.store = Store(clock)
+        self.tokens = Tokens()
+        self.authorizer = Authorizer(load_policy(rbac_paths))
+        self.faults = Faults(clock)
+        self._stats = Stats()
+        self._lock = threading.RLock()
+        self._server: _HttpServer | None = None
+        self._address: tuple[str, int] | None = None
+        self._up_timer: threading.Timer | None = None
+        self.tokens.issue(ADMIN)
+
+    # Lifecycle ---------------------------------------------------------------------------------
+
+    def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
+        """Listen on host:port (0 picks a free port) and return the base URL."""
+        with self._lock:
+            if self._address is not None:
+                raise RuntimeError(f"emulator already started at {self.url}")
+            self._listen((host, port))
+            return self.url
+
+    def stop(self) -> None:
+        with self._lock:
+            if self._address is not None:
+                self.down()
+            self._address = None
+
+    def down(self, duration_s: float | None = None) -> None:
+        """Stop listening and close every connection, so clients get 'connection refused'; with
+        `duration_s`, come back up on the same port after that many seconds."""
+        server = self._go_down(duration_s)
+        if server is not None:
+            server.close_connections()
+
+    def _go_down(self, duration_s: float | None) -> "_HttpServer | None":
+        """Stop accepting connections (requests still arriving on open ones are dropped from now
+        on) and return the server whose connections are left to close."""
+        with self._lock:
+            self._require_started()
+            self._cancel_up_timer()
+            server, self._server = self._server, None
+            if server is not None:
+                server.shutdown()
+                server.server_close()
+            if duration_s is not None:
+                self._up_timer = threading.Timer(duration_s, self._come_back)
+                self._up_timer.daemon = True
+                self._up_timer.start()
+            return server
+
+    def up(self) -> None:
+        """Listen again on the port the emulator had before down()."""
+        with self._lock:
+            self._require_started()
+            self._cancel_up_timer()
+            if self._server is None:
+                self._listen(self._address)
+
+    def _come_back(self) -> None:
+        with self._lock:
+            if self._address is not None:   # not stopped meanwhile
+                self.up()
+
+    @property
+    def is_up(self) -> bool:
+        return self._server is not None
+
+    @property
+    def url(self) -> str:
+        host, port = self._require_started()
+        return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+    def __enter__(self) -> "Emulator":
+        if self._address is None:
+            self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _listen(self, address: tuple[str, int]) -> None:
+        server = _HttpServer(address, self)
+        self._server = server
+        self._address = server.server_address[:2]
+        threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True,
+                         name=f"kube-emulator:{self._address[1]}").start()
+        log.info("kube-emulator listening on %s", self.url)
+
+    def _cancel_up_timer(self) -> None:
+        if self._up_timer is not None:
+            self._up_timer.cancel()
+            self._up_timer = None
+
+    def _require_started(self) -> tuple[str, int]:
+        if self._address is None:
+            raise RuntimeError("emulator not started")
+        return self._address
+
+    # Credentials ---------------------------------------------------------------------------------
+
+    def token_for(self, user: str, groups: Sequence[str] | None = None) -> str:
+        """A bearer token for `user` ("admin", "system:serviceaccount:<ns>:<name>", or any name);
+        groups default to those Kubernetes gives such a user."""
+        return self.tokens.issue(user, groups)
+
+    def write_kubeconfig(self, path: Path | str, user: str = DEFAULT_USER) -> Path:
+        """A kubeconfig that reaches this emulator as `user` (file mode 0600: it holds a token)."""
+        path = Path(path)
+        context: dict[str, str] = {"cluster": "kube-emulator", "user": user}
+        if user.startswith(SA_PREFIX):
+            context["namespace"] = user[len(SA_PREFIX):].split(":", 1)[0]
+        config = {
+            "apiVersion": "v1", "kind": "Config", "preferences": {},
+            "clusters": [{"name": "kube-emulator", "cluster": {"server": self.url}}],
+            "users": [{"name": user, "user": {"token": self.token_for(user)}}],
+            "contexts": [{"name": "kube-emulator", "context": context}],
+            "current-context": "kube-emulator",
+        }
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            yaml.safe_dump(config, f, sort_keys=False)
+        return path
+
+    # Faults and stats ----------------------------------------------------------------------------
+
+    def latency(self, seconds: float) -> None:
+        self.faults.latency(seconds)
+
+    def fail(self, status: int, count: int | None = None, duration_s: float | None = None,
+             retry_after: int | None = None, match: str | None = None) -> None:
+        self.faults.fail(status, count, duration_s, retry_after, match)
+
+    def drop(self, count: int, match: str | None = None) -> None:
+        self.faults.drop(count, match)
+
+    def clear(self) -> None:
+        """Remove latency, failures and drops (does not bring a downed emulator back up)."""
+        self.faults.clear()
+
+    def stats(self) -> dict[str, Any]:
+        return self._stats.snapshot()
+
+    def request_count(self, verb: str | None = None, resource: str | None = None, code: int | None = None,
+                      user: str | None = None) -> int:
+        return self._stats.count(verb, resource, code, user)
+
+    def reset_stats(self) -> None:
+        self._stats.reset()
+
+    # Direct access for tests (no HTTP, not counted) ---------------------------------------------
+
+    def create_node(self, name: str, labels: Mapping[str, str] | None = None,
+                    capacity: Mapping[str, str] | None = None, conditions: Sequence[dict] | None = None) -> dict:
+        """A node as a kubelet registers it: Ready, no pressure, heartbeats now."""
+        now = rfc3339(self.clock())
+        resources = {"cpu": "8", "ephemeral-storage": "100Gi", "memory": "32Gi", "pods": "110", **(capacity or {})}
+        conds = [dict(c) for c in conditions] if conditions is not None else [
+            _condition("MemoryPressure", "False", "KubeletHasSufficientMemory", "kubelet has sufficient memory available"),
+            _condition("DiskPressure", "False", "KubeletHasNoDiskPressure", "kubelet has no disk pressure"),
+            _condition("PIDPressure", "False", "KubeletHasSufficientPID", "kubelet has sufficient PID available"),
+            _condition("Ready", "True", "KubeletReady", "kubelet is posting ready status"),
+        ]
+        for cond in conds:
+            cond.setdefault("lastHeartbeatTime", now)
+            cond.setdefault("lastTransitionTime", now)
+        node = {
+            "apiVersion": "v1", "kind": "Node",
+            "metadata": {"name": name, "labels": {"kubernetes.io/arch": "amd64", "kubernetes.io/hostname": name,
+                                                  "kubernetes.io/os": "linux", **(labels or {})}},
+            "spec": {},
+            "status": {
+                "capacity": dict(resources), "allocatable": dict(resources), "conditions": conds,
+                "addresses": [{"type": "InternalIP", "address": _internal_ip(name)},
+                              {"type": "Hostname", "address": name}],
+                "nodeInfo": {"architecture": "amd64", "bootID": "", "containerRuntimeVersion": "containerd://1.7.20",
+                             "kernelVersion": "6.8.0-45-generic", "kubeProxyVersion": "v1.31.0",
+                             "kubeletVersion": "v1.31.0", "machineID": "", "operatingSystem": "linux",
+                             "osImage": "Ubuntu 24.04.1 LTS", "systemUUID": ""},
+            },
+        }
+        return clone(self.store.create(NODES, None, node))
+
+    def node(self, name: str) -> dict:
+        return clone(self.store.get(NODES, None, name))
+
+    def nodes(self) -> list[dict]:
+        return [self._with_kind(item, NODES) for item in self.store.list(NODES)["items"]]
+
+    def events(self, namespace: str | None = None) -> list[dict]:
+        return [self._with_kind(item, EVENTS) for item in self.store.list(EVENTS, namespace)["items"]]
+
+    @staticmethod
+    def _with_kind(item: dict, kind: Kind) -> dict:
+        return {"apiVersion": "v1", "kind": kind.kind, **clone(item)}
+
+    def set_node_condition(self, name: str, condition: dict) -> dict:
+        """Add or update one condition by type, as the kubelet does: heartbeat now, transition time
+        moved only when the status changes."""
+        if not condition.get("type"):
+            raise ValueError("a condition needs a type")
+        now = rfc3339(self.clock())
+
+        def build(current: dict) -> dict:
+            node = clone(current)
+            conds = node.setdefault("status", {}).setdefault("conditions", [])
+            old = next((c for c in conds if c.get("type") == condition["type"]), None)
+            new = {**(old or {}), **condition}
+            if "lastHeartbeatTime" not in condition:
+                new["lastHeartbeatTime"] = now
+            if "lastTransitionTime" not in condition and (old is None or old.get("status") != new.get("status")):
+                new["lastTransitionTime"] = now
+            if old is None:
+                conds.append(new)
+            else:
+                conds[conds.index(old)] = new
+            return node
+
+        node, _ = self.store.update(NODES, None, name, build, subresource="status")
+        return clone(node)
+
+    # Request handling ----------------------------------------------------------------------------
+
+    def handle(self, request: Request) -> Response:
+        """Answer one request: faults, authentication, authorization, then the API itself."""
+        if self._server is None and self._address is not None:
+            return Response(0, drop=True)    # down: a request on a connection not yet closed gets nothing
+        if request.path == "/emulator" or request.path.startswith("/emulator/"):
+            return self._guard(lambda: self._control(request))
+        route = route_for(request.path)
+        verb = verb_for(request.method, route, request.query)
+        user = self.tokens.user(_bearer(request.headers))
+        decision = self.faults.decide(verb, request.method, request.path)
+        if decision.delay_s:
+            time.sleep(decision.delay_s)
+        if decision.drop:
+            response = Response(0, drop=True)
+        elif decision.status is not None:
+            response = _fault_response(decision)
+        else:
+            response = self._guard(lambda: self._serve(request, route, verb, user))
+        self._stats.record(user.name if user else "", verb, route.template if route else "unknown",
+                           response.code, self.clock())
+        return response
+
+    @staticmethod
+    def _guard(serve: Callable[[], Response]) -> Response:
+        try:
+            return serve()
+        except ApiError as e:
+            return Response.error(e)
+        except PatchError as e:
+            reason = {400: "BadRequest", 415: "UnsupportedMediaType"}.get(e.code, "Invalid")
+            return Response.error(ApiError(e.code, reason, str(e)))
+        except Exception as e:  # noqa: BLE001 - a bug must answer 500, not kill the connection
+            log.exception("kube-emulator: internal error")
+            return Response.error(ApiError(500, "InternalError", f"Internal error occurred: {e}"))
+
+    def _serve(self, request: Request, route: Route | None, verb: str, user: User | None) -> Response:
+        if route is not None and route.document in HEALTH_PATHS:
+            return Response(200, b"ok", "text/plain; charset=utf-8")
+        if user is None:
+            raise ApiError(401, "Unauthorized", "Unauthorized")
+        if route is None:
+            raise ApiError(404, "NotFound", "the server could not find the requested resource", {})
+        if route.kind is None:
+            attrs = Attributes(user, verb, path=request.path)
+        else:
+            if verb == "watch":
+                raise ApiError(405, "MethodNotAllowed", "watch is not supported")
+            if not _allowed(route, verb):
+                raise ApiError(405, "MethodNotAllowed", "the server does not allow this method on the requested "
+                                                        "resource", {})
+            attrs = Attributes(user, verb, route.kind.resource, route.subresource, route.namespace, route.name)
+        allowed, reason = self.authorizer.authorize(attrs)
+        if not allowed:
+            details: dict[str, Any] = {"kind": attrs.resource} if attrs.resource else {}
+            if attrs.name:
+                details = {"name": attrs.name, **details}
+            raise ApiError(403, "Forbidden", forbidden_message(attrs, reason), details)
+        if route.kind is None:
+            return self._document(route, request)
+        return self._resource(request, route, route.kind, verb)
+
+    def _document(self, route: Route, request: Request) -> Response:
+        if request.method not in ("GET", "HEAD"):
+            raise ApiError(405, "MethodNotAllowed", "the server does not allow this method on the requested "
+                                                    "resource", {})
+        host, port = self._require_started()
+        documents: dict[str, Any] = {
+            "root": {"paths": ["/api", "/api/v1", "/apis", "/healthz", "/livez", "/readyz", "/version"]},
+            "version": VERSION,
+            "api": {"kind": "APIVersions", "versions": ["v1"],
+                    "serverAddressByClientCIDRs": [{"clientCIDR": "0.0.0.0/0", "serverAddress": f"{host}:{port}"}]},
+            "apis": {"kind": "APIGroupList", "apiVersion": "v1", "groups": []},
+            "api/v1": API_RESOURCES,
+        }
+        return Response.of(200, documents[route.document])
+
+    def _resource(self, request: Request, route: Route, kind: Kind, verb: str) -> Response:
+        namespace = route.namespace or None
+        q = request.query
+        if verb == "list":
+            try:
+                limit = int(q.get("limit") or 0)
+            except ValueError:
+                raise bad_request(f"invalid limit {q.get('limit')!r}") from None
+            return Response.of(200, self.store.list(kind, namespace, q.get("labelSelector", ""),
+                                                    q.get("fieldSelector", ""), limit, q.get("continue", "")))
+        if verb == "get":
+            return Response.raw(200, self.store.encode(kind, self.store.get(kind, namespace, route.name)))
+        if verb == "create":
+            return Response.raw(201, self.store.encode(kind, self.store.create(kind, namespace, request.json())))
+        if verb == "update":
+            body = request.json()
+            obj, created = self.store.update(kind, namespace, route.name, lambda _: body, route.subresource,
+                                             allow_create=kind.create_on_update and not route.subresource)
+            return Response.raw(201 if created else 200, self.store.encode(kind, obj))
+        if verb == "patch":
+            content_type = request.headers.get("Content-Type") or ""
+            if content_type.split(";", 1)[0].strip().lower() not in PATCH_TYPES:
+                raise UnsupportedPatchType(content_type)
+            patch = request.json()
+            obj, _ = self.store.update(
+                kind, namespace, route.name,
+                lambda current: apply_patch(content_type, current, patch, kind.merge_keys), route.subresource)
+            return Response.raw(200, self.store.encode(kind, obj))
+        options = request.json() if request.body.strip() else {}
+        deleted = self.store.delete(kind, namespace, route.name,
+                                    (options or {}).get("preconditions") if isinstance(options, dict) else None)
+        meta = deleted["metadata"]
+        return Response.of(200, {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success",
+                                 "details": {"name": meta["name"], "kind": kind.resource, "uid": meta["uid"]}})
+
+    # Control API (/emulator/...) -----------------------------------------------------------------
+
+    def _control(self, request: Request) -> Response:
+        user = self.tokens.user(_bearer(request.headers))
+        if user is None:
+            raise ApiError(401, "Unauthorized", "Unauthorized")
+        if MASTERS not in user.groups:
+            raise ApiError(403, "Forbidden", f'forbidden: User "{user.name}" cannot {request.method.lower()} '
+                                             f'path "{request.path}"', {})
+        action = request.path[len("/emulator/"):].strip("/")
+        if request.method == "GET" and action == "stats":
+            return Response.of(200, self.stats())
+        if request.method == "GET" and action == "faults":
+            return Response.of(200, {**self.faults.describe(), "up": self.is_up})
+        if request.method != "POST":
+            raise ApiError(405, "MethodNotAllowed", f"{request.method} {request.path} is not supported", {})
+        args = request.json() if request.body.strip() else {}
+        if not isinstance(args, dict):
+            raise bad_request("the request body must be a JSON object")
+        actions: dict[str, Callable[..., None]] = {
+            "stats/reset": self.reset_stats, "latency": self.latency, "fail": self.fail, "drop": self.drop,
+            "clear": self.clear, "down": self.down}
+        if action not in actions:
+            raise ApiError(404, "NotFound", f"no emulator action {action!r} (known: {', '.join(actions)})", {})
+        ok = Response.of(200, {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success"})
+        if action == "down":   # stop listening now, answer, then close the remaining connections
+            duration = args.get("duration_s")
+            if duration is not None and not isinstance(duration, (int, float)):
+                raise bad_request("emulator down: duration_s must be a number")
+            server = self._go_down(duration)
+            ok.close, ok.after = True, server.close_connections if server is not None else None
+            return ok
+        try:
+            actions[action](**args)
+        except (TypeError, ValueError) as e:
+            raise bad_request(f"emulator {action}: {e}") from None
+        return ok
+
+
+def _fault_response(decision: Decision) -> Response:
+    assert decision.status is not None
+    reason, message = _FAIL_TEXT[decision.status]
+    details: dict[str, Any] = {}
+    headers: dict[str, str] = {}
+    if decision.retry_after is not None:
+        details["retryAfterSeconds"] = decision.retry_after
+        headers["Retry-After"] = str(decision.retry_after)
+    return Response.error(ApiError(decision.status, reason, message, details, headers))
+
+
+def _condition(kind: str, status: str, reason: str, message: str) -> dict[str, str]:
+    return {"type": kind, "status": status, "reason": reason, "message": message}
+
+
+def _internal_ip(name: str) -> str:
+    h = sum(name.encode()) * 2654435761 % (254 * 254)
+    return f"10.0.{h // 254}.{h % 254 + 1}"

@@ -22,6 +22,16 @@ from fake_nvml.scenario import load_scenario
 REPO = Path(__file__).resolve().parent.parent
 
 
+class Clock:
+    """A clock tests move by hand: `clock.now += 60`."""
+
+    def __init__(self, now: float = 1_700_000_000.0):
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
 @dataclass
 class Outcome:
     sweep: SweepResult

@@ -15,20 +15,12 @@ from pathlib import Path
 import pytest
 from kubernetes import client, config
 
-from conftest import REPO
+from conftest import REPO, Clock
 from kube_emulator import Emulator
 from kube_emulator.cli import main as cli_main
 
 SA = "system:serviceaccount:gpu-npd:gpu-npd"
 KUBELET_TYPES = ["MemoryPressure", "DiskPressure", "PIDPressure", "Ready"]
-
-
-class Clock:
-    def __init__(self, now: float = 1_700_000_000.0):
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
 
 
 @pytest.fixture

@@ -13,20 +13,12 @@ import pytest
 import urllib3
 from kubernetes import client, config
 
-from conftest import REPO
+from conftest import REPO, Clock
 from kube_emulator import Emulator
 from kube_emulator.faults import Faults
 from kube_emulator.stats import Stats
 
 SA = "system:serviceaccount:gpu-npd:gpu-npd"
-
-
-class Clock:
-    def __init__(self, now: float = 1_700_000_000.0):
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
 
 
 @pytest.fixture

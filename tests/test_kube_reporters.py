@@ -8,20 +8,13 @@ from typing import Any
 
 import pytest
 
+from conftest import Clock
 from detector.agent.active import ConditionStatus
 from detector.core.types import Severity
 from detector.kube.api import ApiError
 from detector.kube.conditions import MARKER, ConditionReporter
 from detector.kube.events import COMBINED, EventReporter, EventSettings
 from detector.kube.pacing import Backoff, TokenBucket
-
-
-@dataclass
-class Clock:
-    now: float = 1_700_000_000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 @dataclass

@@ -208,3 +208,29 @@ def test_join_messages_stays_within_the_limit_and_keeps_whole_messages():
     assert len(joined) <= 500 and joined.endswith("more)")
     assert all(part in messages for part in joined.split(" | ")[:-1])
     assert join_messages(["y" * 2000], 100).endswith("…") and len(join_messages(["y" * 2000], 100)) == 100
+
+
+def test_agent_reuses_a_recent_inventory_for_the_xid_check_only_until_it_is_old(registry):
+    from detector.agent.agent import AgentSettings, NodeAgent
+    from detector.cli.main import builtin_rules_dir
+    from detector.config import build_checks
+    from fake_nvml.host import fake_host
+    from fake_nvml.scenario import load_scenario
+
+    host = fake_host(load_scenario("h100-sxm-8").build("n"))
+    calls = []
+    real = host.nvml.nvmlDeviceGetCount
+    host.nvml.nvmlDeviceGetCount = lambda: calls.append(1) or real()
+    checks = {c.name: c for c in build_checks(registry, None, {})}
+    agent = NodeAgent(host, list(checks.values()), load_rules([builtin_rules_dir()], registry.fields_by_check()),
+                      settings=AgentSettings(inventory_max_age_s=0.2))
+    agent.run([checks["pcie"]])
+    agent.run([checks["xid"]])
+    agent.run([checks["xid"]])
+    assert len(calls) == 1                      # xid reused pcie's inventory
+    import time as _time
+    for _ in range(5):                          # frequent xid runs do not keep an old inventory young
+        _time.sleep(0.06)
+        agent.run([checks["xid"]])
+    assert len(calls) == 2                      # too old after 0.2 s: read once more, then reused again
+    host.close()

@@ -99,8 +99,10 @@ class NodeAgent:
         return self.run(due)
 
     def run(self, checks: Sequence[Check]) -> list[Problem]:
-        result = run_sweep(self.host, checks, self.settings.inventory_timeout_s, self._cached_inventory(checks))
-        self._inventory = (time.monotonic(), result.inventory)
+        cached = self._cached_inventory(checks)
+        result = run_sweep(self.host, checks, self.settings.inventory_timeout_s, cached)
+        if cached is None:
+            self._inventory = (time.monotonic(), result.inventory)
         now, boot = self.clock(), self.host.current_boot()
         changed = self.active.expire(now, boot) | self._take_clear_request()
         problems: list[Problem] = []

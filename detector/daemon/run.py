@@ -17,10 +17,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from detector.agent.agent import AgentSettings, NodeAgent
+from detector.agent.active import ConditionStatus
+from detector.agent.agent import AgentSettings, AgentSink, NodeAgent
 from detector.agent.metrics import AgentMetrics
 from detector.core.check import Check
 from detector.core.sweep import Host
+from detector.core.types import Problem
 from detector.daemon.endpoints import Endpoints
 from detector.kube.api import ApiError, KubeApi
 from detector.kube.conditions import MARKER
@@ -41,6 +43,24 @@ class DaemonSettings:
     watch_kernel_log: bool = True
 
 
+class LogSink(AgentSink):
+    """What the node has, in the daemon's log: condition changes and events, as they happen."""
+
+    def __init__(self) -> None:
+        self._last: dict[str, tuple[bool, str]] = {}
+
+    def conditions(self, statuses: list[ConditionStatus]) -> None:
+        for s in statuses:
+            if self._last.get(s.type) != (s.active, s.reason):
+                self._last[s.type] = (s.active, s.reason)
+                level = logging.WARNING if s.active else logging.INFO
+                log.log(level, "condition %s=%s reason=%s: %s", s.type, s.active, s.reason, s.message)
+
+    def events(self, problems: list[Problem]) -> None:
+        for p in problems:
+            log.warning("event %s (x%d): %s", p.reason, p.occurrences, p.message)
+
+
 class Daemon:
     def __init__(self, host: Host, checks: list[Check], ruleset: RuleSet, api: KubeApi | None,
                  settings: DaemonSettings | None = None, clock: Callable[[], float] = time.time):
@@ -53,7 +73,7 @@ class Daemon:
             api.counts.listener = self.metrics.api_request
             self.reporter = KubeReporter(api, host.node_name, sorted(ruleset.types()), self.settings.reporter,
                                          clock, rng)
-        sinks = [self.metrics] + ([self.reporter] if self.reporter else [])
+        sinks = [self.metrics, LogSink()] + ([self.reporter] if self.reporter else [])
         agent_settings = self.settings.agent
         agent_settings.message_limit = min(agent_settings.message_limit, 1024 - len(MARKER))
         self.agent = NodeAgent(host, checks, ruleset, sinks, agent_settings, clock, rng)

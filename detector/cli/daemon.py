@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import signal
 import time
@@ -134,5 +133,4 @@ def cmd_clear(args: argparse.Namespace) -> int:
     path = write_clear_request(args.state_dir, args.types, time.time())
     what = ", ".join(args.types) if args.types else "all held conditions"
     print(f"asked the daemon to clear {what} ({path}); it takes effect at its next check run")
-    logging.getLogger("gpu_npd").info("clear requested: %s", what)
     return 0

@@ -14,7 +14,7 @@ import logging
 import random
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from detector.agent.active import ConditionStatus
@@ -25,7 +25,7 @@ from detector.core.sweep import Host
 from detector.core.types import Problem
 from detector.daemon.endpoints import Endpoints
 from detector.kube.api import ApiError, KubeApi
-from detector.kube.conditions import MARKER
+from detector.kube.conditions import MARKER, MESSAGE_LIMIT
 from detector.kube.reporter import KubeReporter, ReporterSettings
 from detector.rules.loader import RuleSet
 
@@ -74,8 +74,8 @@ class Daemon:
             self.reporter = KubeReporter(api, host.node_name, sorted(ruleset.types()), self.settings.reporter,
                                          clock, rng)
         sinks = [self.metrics, LogSink()] + ([self.reporter] if self.reporter else [])
-        agent_settings = self.settings.agent
-        agent_settings.message_limit = min(agent_settings.message_limit, 1024 - len(MARKER))
+        agent_settings = replace(self.settings.agent,
+                                 message_limit=min(self.settings.agent.message_limit, MESSAGE_LIMIT - len(MARKER)))
         self.agent = NodeAgent(host, checks, ruleset, sinks, agent_settings, clock, rng)
         self._kick = threading.Event()
         self._xid_done = threading.Event()

@@ -55,10 +55,6 @@ class RequestCounts:
         if self.listener:
             self.listener(verb, resource, code)
 
-    def total(self) -> int:
-        with self.lock:
-            return sum(self.counts.values())
-
 
 class KubeApi:
     def __init__(self, connection: Connection, qps: float = 5.0, burst: int = 10,

@@ -10,7 +10,6 @@ plugins are refused with a clear message: on a node, the in-cluster service acco
 from __future__ import annotations
 
 import base64
-import json
 import os
 import ssl
 import tempfile
@@ -123,7 +122,3 @@ def _material(section: dict[str, Any], key: str, base: Path) -> str | None:
         return name
     found = _path(section.get(key), base)
     return str(found) if found else None
-
-
-def decode_json(data: bytes) -> Any:
-    return json.loads(data) if data else {}

@@ -15,7 +15,7 @@ from __future__ import annotations
 import random
 import threading
 from collections import OrderedDict, deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from detector.kube.api import ApiError, KubeApi

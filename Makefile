@@ -4,6 +4,10 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
+# torch is only for the tests of the nccl check's torch backend, which run on gloo with CPU tensors
+# (a CPU build is enough). `make test TORCH=` skips it; those tests then skip and say why.
+TORCH ?= torch==2.13.0
+TORCH_STAMP := $(VENV)/.torch-stamp
 
 .PHONY: install test demo clean
 
@@ -14,7 +18,11 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[test]'
 	touch $(STAMP)
 
-test: install
+$(TORCH_STAMP): $(STAMP)
+	$(if $(TORCH),$(BIN)/python -m pip install --quiet --disable-pip-version-check '$(TORCH)')
+	touch $(TORCH_STAMP)
+
+test: install $(TORCH_STAMP)
 	$(BIN)/python -m pytest -q
 
 demo: install

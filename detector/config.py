@@ -3,6 +3,7 @@
     checks:
       visibility: {expected_gpus: 8, interval: 60, timeout: 20}
       pcie: {}
+      nccl: {enabled: true, interval: 21600}     # opt-in checks run only when enabled
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from detector.core.check import Check, CheckRegistry
+from detector.core.check import SCHEDULE_FIELDS, Check, CheckRegistry
 from detector.yamlsource import MappingReader, SourceError, load_yaml
 
 
@@ -25,7 +26,8 @@ def load_check_settings(path: Path) -> tuple[str, dict[str, Any]]:
 def build_checks(registry: CheckRegistry, selected: Sequence[str] | None,
                  settings: Mapping[str, Any] | None = None, file: str = "<settings>") -> list[Check]:
     """Instantiate checks by name with validated settings. Unknown names or settings raise
-    SourceError (from a file) or KeyError (from --checks)."""
+    SourceError (from a file) or KeyError (from --checks). Without `selected`, every enabled check runs
+    (opt-in checks such as nccl only with `enabled: true`); a named check runs whatever `enabled` says."""
     settings = settings or {}
     for name in settings:
         if name not in registry.names():
@@ -34,17 +36,22 @@ def build_checks(registry: CheckRegistry, selected: Sequence[str] | None,
     names = list(selected) if selected is not None else registry.names()
     checks = []
     for name in names:
-        cls = registry.get(name)
-        raw = settings.get(name) or {}
-        reader = MappingReader(file, raw, f"checks.{name}")
-        reader.reject_unknown(set(cls.config_fields) | {"interval", "timeout"})
-        values: dict[str, Any] = {key: reader.get(key, spec.kind, spec.default)
-                                  for key, spec in cls.config_fields.items()}
-        for key in ("interval", "timeout"):
-            if reader.has(key):
-                value = reader.get(key, float)
-                if value <= 0:
-                    raise reader.error(key, "must be a positive number of seconds")
-                values[key] = value
-        checks.append(cls(values))
+        check = _build_check(registry.get(name), settings.get(name) or {}, file)
+        if selected is not None or check.enabled:
+            checks.append(check)
     return checks
+
+
+def _build_check(cls: type[Check], raw: Mapping[str, Any], file: str) -> Check:
+    reader = MappingReader(file, raw, f"checks.{cls.name}")
+    reader.reject_unknown(set(cls.config_fields) | set(SCHEDULE_FIELDS))
+    values: dict[str, Any] = {key: reader.get(key, spec.kind, spec.default) for key, spec in cls.config_fields.items()}
+    for key in ("interval", "timeout"):
+        if reader.has(key):
+            value = reader.get(key, float)
+            if value <= 0:
+                raise reader.error(key, "must be a positive number of seconds")
+            values[key] = value
+    if reader.has("enabled"):
+        values["enabled"] = reader.get("enabled", bool)
+    return cls(values)

@@ -155,6 +155,7 @@ def _recover(f: Fault, state: "NodeState", gpu: "FakeGpu | None", node: "FakeNod
         g.remap_pending = False
     if gpu is None:
         state.driver_loaded, state.smi_hang_s, state.nccl_busbw_factor = True, 0.0, 1.0
+        state.nccl_hang_s, state.nccl_wrong = 0.0, 0
 
 
 def _reboot(f: Fault, state: "NodeState", gpu: "FakeGpu | None", node: "FakeNode") -> None:
@@ -189,6 +190,10 @@ FAULT_KINDS: dict[str, FaultKind] = {k.name: k for k in (
     FaultKind("idle", True, {}, (), _idle, "no process on the GPU"),
     FaultKind("nccl_degraded", False, {"factor": float}, ("factor",), _set("nccl_busbw_factor", "factor"),
               "NCCL all-reduce bus bandwidth scaled by this factor"),
+    FaultKind("nccl_hang", False, {"seconds": float}, ("seconds",), _set("nccl_hang_s", "seconds"),
+              "the NCCL probe hangs this long (a wedged collective)"),
+    FaultKind("nccl_wrong", False, {"count": int}, ("count",), _set("nccl_wrong", "count"),
+              "an all-reduce returns this many wrong elements (silent data corruption)"),
     FaultKind("kernel_line", False, {"message": str, "priority": int}, ("message",), _kernel_line,
               "an arbitrary kernel log line (SXid lines, noise)"),
     FaultKind("recover", False, {}, (), _recover,

@@ -13,6 +13,7 @@ from detector.backends.smi import SmiOutcome, SubprocessSmi
 from detector.core.inventory import nvml_error_name
 from detector.core.sweep import Host
 from fake_nvml.kmsg import FakeKmsgDevice
+from fake_nvml.nccl import FakeNcclProbe
 from fake_nvml.node import FakeNode
 from fake_nvml.nvml import FakeNvml
 from fake_nvml.pci import FakePciBus
@@ -57,4 +58,5 @@ def fake_host(node: FakeNode, *, sysfs_root: Path | None = None, smi_command: li
             nvml.nvmlShutdown()
 
     return Host(node.name, nvml, smi, pci, nvml_init_error=init_error, kernel_log=kernel_log,
-                boot_id=kmsg.boot_id, threaded=threaded, close=close, boot_source=lambda: node.boot_id)
+                boot_id=kmsg.boot_id, threaded=threaded, close=close, boot_source=lambda: node.boot_id,
+                nccl_probe=FakeNcclProbe(node))

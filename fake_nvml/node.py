@@ -103,6 +103,8 @@ class NodeState:
     driver_loaded: bool = True
     smi_hang_s: float = 0.0
     nccl_busbw_factor: float = 1.0   # measured NCCL bus bandwidth relative to the healthy figure
+    nccl_hang_s: float = 0.0         # the NCCL probe hangs this long (a wedged collective)
+    nccl_wrong: int = 0              # elements an all-reduce gets wrong (silent data corruption)
     boot_id: str = "00000000-0000-0000-0000-000000000000"
 
     def to_dict(self) -> dict[str, Any]:
@@ -111,7 +113,8 @@ class NodeState:
             "gpus": [g.to_dict() for g in self.gpus],
             "nvswitches": [s.pci_bus_id for s in self.nvswitches],
             "driver_loaded": self.driver_loaded, "smi_hang_s": self.smi_hang_s,
-            "nccl_busbw_factor": self.nccl_busbw_factor, "boot_id": self.boot_id,
+            "nccl_busbw_factor": self.nccl_busbw_factor, "nccl_hang_s": self.nccl_hang_s,
+            "nccl_wrong": self.nccl_wrong, "boot_id": self.boot_id,
         }
 
     @classmethod
@@ -121,7 +124,8 @@ class NodeState:
             gpus=[FakeGpu.from_dict(g) for g in d["gpus"]],
             nvswitches=[NvSwitch(b) for b in d.get("nvswitches", [])],
             driver_loaded=d.get("driver_loaded", True), smi_hang_s=d.get("smi_hang_s", 0.0),
-            nccl_busbw_factor=d.get("nccl_busbw_factor", 1.0), boot_id=d.get("boot_id", ""),
+            nccl_busbw_factor=d.get("nccl_busbw_factor", 1.0), nccl_hang_s=d.get("nccl_hang_s", 0.0),
+            nccl_wrong=d.get("nccl_wrong", 0), boot_id=d.get("boot_id", ""),
         )
 
     def nvml_gpus(self) -> list[FakeGpu]:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import node_for
 from detector.daemon.local import REPO_DEPLOY, LocalDaemon, local_daemon
 from detector.daemon.run import EXIT_FORBIDDEN, DaemonSettings
 from detector.kube.conditions import MARKER
@@ -251,3 +252,19 @@ def test_gpu_npd_run_serves_metrics_and_stops_on_sigterm(emulator, tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_a_long_probe_never_delays_an_xid(running):
+    node = node_for("h100-sxm-8", "gpu-probe")
+    node.inject(Fault("nccl_hang", params={"seconds": 3.0}))        # the probe takes 3 s
+    local = running(name="gpu-probe", node=node, checks=["xid", "nccl"],
+                    check_settings={"xid": {"interval": 0.5}, "nccl": {"timeout": 20}})
+    time.sleep(0.5)                                                  # the probe is under way
+    started = time.monotonic()
+    node.inject(Fault("xid", gpu=3, params={"code": 79}))
+    assert local.wait_for(lambda: status(local, "GpuXidError") == "True", 2.0)
+    assert time.monotonic() - started < 2.0
+    assert "GpuNcclProbeFailed" not in local.conditions()            # still probing: nothing judged yet
+    # The probe ends after its 3 s and finds the GPU that fell off the bus meanwhile.
+    assert local.wait_for(lambda: status(local, "GpuNcclProbeFailed") == "True", 10.0)
+    assert "rank 3 (GPU 3" in local.conditions()["GpuNcclProbeFailed"]["message"]

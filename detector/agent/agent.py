@@ -32,7 +32,8 @@ CLEAR_FILE = "clear-request.json"
 
 
 class AgentSink:
-    """Where an agent's conclusions go. Every method may be called from the agent's thread only."""
+    """Where an agent's conclusions go. Calls come one at a time (under the agent's lock), from
+    whichever thread ran the sweep."""
 
     def conditions(self, statuses: list[ConditionStatus]) -> None:
         """The judged condition types, all of them, whenever one changed or became judged."""
@@ -68,18 +69,22 @@ class NodeAgent:
         rng = rng or random.Random()
         now = clock()
         self._next = {c.name: now + rng.uniform(0, self.settings.start_spread_s) for c in self.checks}
+        self._by_name = {c.name: c for c in self.checks}
         self._ran: set[str] = set()
         self._judged: set[str] = set()
         self._inventory: tuple[float, Inventory] | None = None
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()          # the schedule
+        self._judging = threading.Lock()       # what runs concluded: held problems, sinks
         self.warnings: list[str] = []
         self._restore()
 
     # -- scheduling -----------------------------------------------------------------------------
 
-    def next_due(self) -> float:
+    def next_due(self, long_running: bool | None = None) -> float:
+        """When the next check is due; `long_running` picks one lane (see `run_due`)."""
         with self._lock:
-            return min(self._next.values(), default=float("inf"))
+            return min((t for name, t in self._next.items() if _in_lane(self._by_name[name], long_running)),
+                       default=float("inf"))
 
     def kick(self, check_name: str) -> None:
         """Run this check as soon as possible (new kernel-log lines for the xid check)."""
@@ -87,21 +92,27 @@ class NodeAgent:
             if check_name in self._next:
                 self._next[check_name] = 0.0
 
-    def run_due(self) -> list[Problem]:
-        """Run every check that is due, in one sweep; returns the problems its rules found."""
+    def run_due(self, long_running: bool | None = None) -> list[Problem]:
+        """Run every check that is due, in one sweep; returns the problems its rules found.
+        `long_running` True or False runs only that lane, so a daemon can give probes that take
+        minutes a thread of their own while the other checks keep their pace."""
         now = self.clock()
         with self._lock:
-            due = [c for c in self.checks if self._next[c.name] <= now]
+            due = [c for c in self.checks if self._next[c.name] <= now and _in_lane(c, long_running)]
             for c in due:
                 self._next[c.name] = now + c.interval_s
         if not due:
             return []
         return self.run(due)
 
-    def run(self, checks: Sequence[Check]) -> list[Problem]:
+    def run(self, checks: Sequence[Check], progress: Callable[[str, str], None] | None = None) -> list[Problem]:
         cached = self._cached_inventory(checks)
-        result = run_sweep(self.host, checks, self.settings.inventory_timeout_s, cached)
-        if cached is None:
+        result = run_sweep(self.host, checks, self.settings.inventory_timeout_s, cached, progress)
+        with self._judging:                   # sweeps of two lanes may finish at once
+            return self._conclude(result, fresh_inventory=cached is None)
+
+    def _conclude(self, result: SweepResult, fresh_inventory: bool) -> list[Problem]:
+        if fresh_inventory:
             self._inventory = (time.monotonic(), result.inventory)
         now, boot = self.clock(), self.host.current_boot()
         changed = self.active.expire(now, boot) | self._take_clear_request()
@@ -110,7 +121,10 @@ class NodeAgent:
             found = self.engine.evaluate(_observations(run))
             problems.extend(found)
             changed |= self.active.update(run.name, run.status == "ok", found, now, boot)
-            self._ran.add(run.name)
+            if run.status == "skipped":       # it did not look, so what it judges is not judged yet
+                self._retry_soon(run)
+            else:
+                self._ran.add(run.name)
         newly_judged = self._judge()
         if changed:
             self._save()
@@ -124,6 +138,12 @@ class NodeAgent:
                 sink.events(events)
             sink.sweep(result, problems)
         return problems
+
+    def _retry_soon(self, run: CheckRun) -> None:
+        if run.retry_after_s is None:
+            return
+        with self._lock:
+            self._next[run.name] = min(self._next[run.name], self.clock() + run.retry_after_s)
 
     def _cached_inventory(self, checks: Sequence[Check]) -> Inventory | None:
         if self._inventory is None or any(c.needs_fresh_inventory for c in checks):
@@ -147,11 +167,12 @@ class NodeAgent:
 
     def clear(self, types: set[str] | None = None) -> None:
         """An operator's clear of held conditions (all types when None)."""
-        if self.active.clear(types, self.clock()):
-            self._save()
-            statuses = self.conditions()
-            for sink in self.sinks:
-                sink.conditions(statuses)
+        with self._judging:
+            if self.active.clear(types, self.clock()):
+                self._save()
+                statuses = self.conditions()
+                for sink in self.sinks:
+                    sink.conditions(statuses)
 
     def _take_clear_request(self) -> bool:
         """`gpu-npd clear` leaves a request file in the state directory; take it once."""
@@ -193,6 +214,10 @@ def write_clear_request(state_dir: Path, types: Sequence[str], now: float) -> Pa
     path = state_dir / CLEAR_FILE
     path.write_text(json.dumps({"time": now, "types": list(types)}))
     return path
+
+
+def _in_lane(check: Check, long_running: bool | None) -> bool:
+    return long_running is None or check.long_running == long_running
 
 
 def _observations(run: CheckRun) -> list:

@@ -27,6 +27,13 @@ class AgentMetrics(AgentSink):
                                     "in its slot", ["gpu", "pci_bus_id"], registry=r)
         self.pcie_gen = Gauge("gpu_npd_pcie_link_gen", "Negotiated PCIe link generation", ["gpu", "pci_bus_id"],
                               registry=r)
+        self.nccl_busbw = Gauge("gpu_npd_nccl_bus_bandwidth_gbps", "All-reduce bus bandwidth of the last NCCL "
+                                "probe that measured, GB/s (stat: avg or min)", ["stat"], registry=r)
+        self.nccl_wrong = Gauge("gpu_npd_nccl_wrong_values", "Values the last NCCL probe got wrong", registry=r)
+        self.nccl_ok = Gauge("gpu_npd_nccl_probe_success", "1 when the last NCCL probe measured with no wrong "
+                             "values, 0 when it failed, hung or got values wrong", registry=r)
+        self.nccl_last = Gauge("gpu_npd_nccl_probe_timestamp_seconds", "When the last NCCL probe ran (not skipped)",
+                               registry=r)
         self.check_duration = Gauge("gpu_npd_check_duration_seconds", "Duration of the check's last run",
                                     ["check"], registry=r)
         self.check_runs = Counter("gpu_npd_check_runs", "Check runs by how they ended (ok, error, timeout)",
@@ -57,6 +64,8 @@ class AgentMetrics(AgentSink):
         for run in result.runs:
             self.check_runs.labels(run.name, run.status).inc()
             self.check_duration.labels(run.name).set(run.duration_ms / 1000)
+            if run.name == "nccl" and run.result:
+                self._nccl(run.result, result.started)
             for obs in run.observations:
                 gpu = "" if obs.gpu is None or obs.gpu.index is None else str(obs.gpu.index)
                 bus = obs.fields.get("pci_bus_id") or (obs.gpu.pci_bus_id if obs.gpu else "") or ""
@@ -68,6 +77,16 @@ class AgentMetrics(AgentSink):
                                        (self.pcie_gen, "current_gen")):
                         if obs.fields.get(key) is not None:
                             gauge.labels(gpu, bus).set(obs.fields[key])
+
+    def _nccl(self, probe: dict, when: float) -> None:
+        self.nccl_last.set(when)
+        measured = probe.get("status") == "ok"
+        self.nccl_ok.set(1 if measured and not probe.get("wrong") else 0)
+        if measured:
+            for stat in ("avg", "min"):
+                if probe.get(f"{stat}_busbw_gbps") is not None:
+                    self.nccl_busbw.labels(stat).set(probe[f"{stat}_busbw_gbps"])
+            self.nccl_wrong.set(probe.get("wrong") or 0)
 
     def api_request(self, verb: str, resource: str, code: str) -> None:
         self.api_requests.labels(verb, resource, code).inc()

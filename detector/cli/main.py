@@ -77,6 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
                "  gpu-npd diagnose --checks pcie --rules builtin --rules my-rules.yaml\n"
                "  gpu-npd diagnose --checks xid --kernel-log /var/log/kern.log   # post-mortem\n"
                "  journalctl -k -b -1 | gpu-npd diagnose --checks xid --kernel-log -\n"
+               "  gpu-npd diagnose --checks nccl                     # all-reduce probe (needs idle GPUs)\n"
+               "  gpu-npd diagnose --checks nccl --nccl-tests /opt/nccl-tests/build/all_reduce_perf\n"
+               "  gpu-npd diagnose --nvml fake:h100-sxm-8-nvlink-down --checks nccl\n"
                "  gpu-npd scenarios                                  # fake nodes to try")
     d.add_argument("--nvml", default=os.environ.get("GPU_NPD_NVML", "real"), metavar="BACKEND",
                    help="real, fake:SCENARIO or fake:PATH.yaml (default: $GPU_NPD_NVML or real)")
@@ -98,6 +101,11 @@ def build_parser() -> argparse.ArgumentParser:
                                                         "in fake mode an in-process fake)")
     d.add_argument("--inventory-timeout", type=float, default=10.0, metavar="SECONDS",
                    help="give up on NVML calls after this long (default: 10)")
+    d.add_argument("--nccl-tests", metavar="PATH",
+                   help="run this all_reduce_perf (nccl-tests) for the nccl check; implies --checks nccl "
+                        "when --checks is not given")
+    d.add_argument("--nccl-size", metavar="SIZE", help="bytes the nccl probe all-reduces (default 8G)")
+    d.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr while long checks run")
     d.set_defaults(func=cmd_diagnose)
 
     c = sub.add_parser("checks", help="list the checks and the fields rules can use")
@@ -147,10 +155,17 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
         if args.kernel_log != "-" and not Path(args.kernel_log).is_file():
             raise UsageError(f"--kernel-log {args.kernel_log}: no such file")
         overrides["xid"] = {"kernel_log_file": args.kernel_log}
-    checks = load_selected_checks(registry, args.checks, args.config, overrides)
+    selected = args.checks
+    if args.nccl_tests or args.nccl_size:
+        selected = selected or "nccl"
+        if "nccl" not in [n.strip() for n in selected.split(",")]:
+            raise UsageError("--nccl-tests and --nccl-size configure the nccl check, which --checks leaves out")
+        overrides["nccl"] = _nccl_overrides(args)
+    checks = load_selected_checks(registry, selected, args.config, overrides)
     host = open_host(args.nvml, node_name=args.node_name, sysfs_root=args.sysfs_root, nvidia_smi=args.nvidia_smi)
     try:
-        sweep = run_sweep(host, checks, inventory_timeout_s=args.inventory_timeout)
+        sweep = run_sweep(host, checks, inventory_timeout_s=args.inventory_timeout,
+                          progress=None if args.quiet else _show_progress)
     finally:
         host.close()
     diagnosis = Diagnosis(args.nvml, sweep, RuleEngine(ruleset).evaluate(sweep.observations))
@@ -161,18 +176,37 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
     return EXIT_PROBLEMS if diagnosis.problems else EXIT_HEALTHY
 
 
+def _nccl_overrides(args: argparse.Namespace) -> dict:
+    overrides: dict = {}
+    if args.nccl_tests:
+        path = Path(args.nccl_tests)
+        if not path.is_file() or not os.access(path, os.X_OK):
+            raise UsageError(f"--nccl-tests {args.nccl_tests}: not an executable file (build nccl-tests and "
+                             "name its build/all_reduce_perf)")
+        overrides.update(nccl_tests=str(path), backend="nccl-tests")
+    if args.nccl_size:
+        overrides["size"] = args.nccl_size
+    return overrides
+
+
+def _show_progress(check: str, message: str) -> None:
+    print(f"gpu-npd: {check}: {message}", file=sys.stderr, flush=True)
+
+
 def cmd_checks(args: argparse.Namespace) -> int:
     registry = CheckRegistry.from_entry_points()
     for name in registry.names():
         cls = registry.get(name)
         print(f"{name}: {cls.description}")
-        print(f"  every {cls.default_interval_s:g}s, timeout {cls.default_timeout_s:g}s")
+        opt_in = "" if cls.enabled_by_default else ", opt-in (enable it, or name it in --checks)"
+        print(f"  every {cls.default_interval_s:g}s, timeout {cls.default_timeout_s:g}s{opt_in}")
         for key, spec in cls.config_fields.items():
             print(f"  setting {key} (default {spec.default!r}): {spec.help}")
         for field, meaning in {**cls.fields}.items():
             print(f"  field {field}: {meaning}")
         print()
-    print("Every check also has the fields check, check_status, check_error and duration_ms.")
+    print("Every check also has the fields check, check_status, check_error and duration_ms, and the settings\n"
+          "interval, timeout and enabled (opt-in checks run only when enabled or named in --checks).")
     return EXIT_HEALTHY
 
 

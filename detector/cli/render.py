@@ -54,6 +54,7 @@ def render_table(d: Diagnosis) -> str:
         lines += ["", *_columns(rows)]
     lines += ["", "checks: " + ", ".join(
         f"{r.name} {r.status} ({r.duration_ms:.0f} ms)" + (f": {r.error}" if r.error else "") for r in d.sweep.runs)]
+    lines += [f"{r.name}: {r.summary}" for r in d.sweep.runs if r.summary]
     lines.append("")
     if not d.problems:
         lines.append("No problems found.")

@@ -17,9 +17,17 @@ ENTRY_POINT_GROUP = "gpu_npd.checks"
 # Fields every check's status observation carries; rules may use them with any check.
 COMMON_FIELDS: dict[str, str] = {
     "check": "the check's name",
-    "check_status": "how the check's last run ended: ok, error or timeout",
-    "check_error": "the error text when check_status is not ok, else empty",
+    "check_status": "how the check's last run ended: ok, error, timeout or skipped",
+    "check_error": "the error (or why it skipped) when check_status is not ok, else empty",
     "duration_ms": "how long the run took, in milliseconds",
+}
+
+
+# Settings every check takes besides its own.
+SCHEDULE_FIELDS: dict[str, str] = {
+    "interval": "seconds between runs",
+    "timeout": "seconds before a run is abandoned (and reported)",
+    "enabled": "run it when no --checks list is given (default: true, except for opt-in checks)",
 }
 
 
@@ -30,10 +38,20 @@ class ConfigField:
     help: str
 
 
+class CheckSkipped(Exception):
+    """The check chose not to run now (the GPUs are busy, another probe is running). Not a failure:
+    what it found before still holds. `retry_after_s`: try again this soon instead of a whole interval."""
+
+    def __init__(self, reason: str, retry_after_s: float | None = None):
+        super().__init__(reason)
+        self.retry_after_s = retry_after_s
+
+
 @dataclass
 class CheckOutput:
     observations: list[Observation] = field(default_factory=list)
     result: dict[str, Any] | None = None      # a check-specific summary for reports
+    summary: str = ""                         # the result in one line for people (diagnose's table)
 
 
 class Check(ABC):
@@ -52,10 +70,15 @@ class Check(ABC):
     # False: a GPU inventory up to a minute old will do (the xid check only maps bus ids to GPUs),
     # so a kernel-log wake-up does not cost a full NVML read.
     needs_fresh_inventory: ClassVar[bool] = True
+    # False: runs only when asked for (--checks, or `enabled: true` in its settings); for probes that
+    # need the GPUs to themselves or software most nodes lack.
+    enabled_by_default: ClassVar[bool] = True
+    # True: runs for minutes; the daemon gives it a thread of its own so it never delays the others.
+    long_running: ClassVar[bool] = False
 
     def __init__(self, config: Mapping[str, Any] | None = None):
         config = dict(config or {})
-        unknown = set(config) - set(self.config_fields) - {"interval", "timeout"}
+        unknown = set(config) - set(self.config_fields) - set(SCHEDULE_FIELDS)
         if unknown:
             known = ", ".join(sorted(self.config_fields)) or "none besides interval and timeout"
             raise ValueError(f"check {self.name!r}: unknown setting(s) {', '.join(sorted(unknown))} "
@@ -63,6 +86,7 @@ class Check(ABC):
         self.config = {key: config.get(key, spec.default) for key, spec in self.config_fields.items()}
         self.interval_s = float(config.get("interval", self.default_interval_s))
         self.timeout_s = float(config.get("timeout", self.default_timeout_s))
+        self.enabled = bool(config.get("enabled", self.enabled_by_default))
 
     @abstractmethod
     def run(self, ctx: "SweepContext") -> CheckOutput:

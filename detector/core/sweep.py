@@ -9,7 +9,7 @@ from typing import Any, Callable, Sequence
 
 from detector.backends.pci import PciBus, PciDevice, nvidia_gpus
 from detector.backends.smi import NvidiaSmi
-from detector.core.check import Check, CheckOutput
+from detector.core.check import Check, CheckOutput, CheckSkipped
 from detector.core.deadline import Hung, Pending
 from detector.core.inventory import Inventory, read_inventory
 from detector.core.types import Observation
@@ -29,6 +29,7 @@ class Host:
     threaded: bool = True              # False: call checks inline (fake backends that cannot hang)
     close: Callable[[], None] = lambda: None
     boot_source: Callable[[], str] | None = None   # the live boot id, for a fake node that can reboot
+    nccl_probe: Any = None             # an NCCL probe backend bound to this node (the fake node's); None: real
 
     def current_boot(self) -> str:
         """This boot now: a fake node can reboot under a running agent, a real machine cannot."""
@@ -42,16 +43,28 @@ class SweepContext:
     pci_gpus: list[PciDevice] | None     # NVIDIA GPUs on the PCI bus; None when it could not be read
     pci_error: str
     started: float
+    progress: Callable[[str, str], None]     # (check, what it is doing now): for checks that take minutes
+
+    def report_progress(self, check: str) -> Callable[[str], None]:
+        """A check's progress reporter; a broken display (a closed terminal) never fails the check."""
+        def report(message: str) -> None:
+            try:
+                self.progress(check, message)
+            except Exception:  # noqa: BLE001
+                pass
+        return report
 
 
 @dataclass
 class CheckRun:
     name: str
-    status: str                        # ok | error | timeout
+    status: str                        # ok | error | timeout | skipped
     duration_ms: float
-    error: str = ""
+    error: str = ""                    # for skipped: why
     result: dict[str, Any] | None = None
     observations: list[Observation] = field(default_factory=list)
+    retry_after_s: float | None = None # a skipped check asks to be tried again this soon
+    summary: str = ""
 
     def status_observation(self) -> Observation:
         """Every run is itself an observation, so rules can flag checks that hang or fail."""
@@ -84,8 +97,10 @@ class SweepResult:
 
 
 def run_sweep(host: Host, checks: Sequence[Check], inventory_timeout_s: float = 10.0,
-              inventory: Inventory | None = None) -> SweepResult:
-    """`inventory`: reuse one read recently (the daemon's fast path for kernel-log wake-ups)."""
+              inventory: Inventory | None = None,
+              progress: Callable[[str, str], None] | None = None) -> SweepResult:
+    """`inventory`: reuse one read recently (the daemon's fast path for kernel-log wake-ups).
+    `progress(check, message)`: what a long check is doing while it runs (diagnose shows it)."""
     started = time.time()
     try:
         pci_gpus, pci_error = nvidia_gpus(host.pci), ""
@@ -97,7 +112,7 @@ def run_sweep(host: Host, checks: Sequence[Check], inventory_timeout_s: float = 
         inventory = Inventory(None, host.nvml_init_error, []).named_from_pci(pci_gpus)
     else:
         inventory = read_inventory(host.nvml, inventory_timeout_s, threaded=host.threaded).named_from_pci(pci_gpus)
-    ctx = SweepContext(host, inventory, pci_gpus, pci_error, started)
+    ctx = SweepContext(host, inventory, pci_gpus, pci_error, started, progress or _no_progress)
     if host.threaded:
         runs = _run_threaded(ctx, checks)
     else:
@@ -109,6 +124,8 @@ def _run_inline(ctx: SweepContext, check: Check) -> CheckRun:
     t0 = time.monotonic()
     try:
         output = check.run(ctx)
+    except CheckSkipped as e:
+        return CheckRun(check.name, "skipped", _ms(t0), str(e), retry_after_s=e.retry_after_s)
     except Exception as e:  # noqa: BLE001 - a broken check is reported, never fatal
         return CheckRun(check.name, "error", _ms(t0), f"{type(e).__name__}: {e}")
     return _finished(check.name, output, _ms(t0))
@@ -123,6 +140,8 @@ def _run_threaded(ctx: SweepContext, checks: Sequence[Check]) -> list[CheckRun]:
         except Hung:
             runs.append(CheckRun(check.name, "timeout", p.elapsed_ms,
                                  f"did not finish within its {check.timeout_s:g}s timeout"))
+        except CheckSkipped as e:
+            runs.append(CheckRun(check.name, "skipped", p.elapsed_ms, str(e), retry_after_s=e.retry_after_s))
         except Exception as e:  # noqa: BLE001 - a broken check is reported, never fatal
             runs.append(CheckRun(check.name, "error", p.elapsed_ms, f"{type(e).__name__}: {e}"))
         else:
@@ -131,7 +150,12 @@ def _run_threaded(ctx: SweepContext, checks: Sequence[Check]) -> list[CheckRun]:
 
 
 def _finished(name: str, output: CheckOutput, duration_ms: float) -> CheckRun:
-    return CheckRun(name, "ok", duration_ms, result=output.result, observations=list(output.observations))
+    return CheckRun(name, "ok", duration_ms, result=output.result, observations=list(output.observations),
+                    summary=output.summary)
+
+
+def _no_progress(check: str, message: str) -> None:
+    pass
 
 
 def _ms(t0: float) -> float:

@@ -39,6 +39,10 @@ ACTIONS: dict[str, str] = {
     "DRAIN_AND_RESET": "drain the GPU's workloads, then reset it with nvidia-smi -r",
     "CHECK_DRIVER": "check that the NVIDIA driver is installed, loaded and matches its user-space libraries",
     "INSPECT": "look at the node: the detector could not tell what is wrong",
+    "CHECK_NVLINK": "drain the node and check NVLink and NVSwitch health (nvidia-smi nvlink -s, the fabric "
+                    "manager's log); reboot, and open a hardware case if it persists",
+    "CHECK_PCIE": "drain the node and check the GPUs' PCIe links (width, generation, AER errors) and ACS "
+                  "settings; reseat or replace risers if a reboot does not help",
     "CONTACT_SUPPORT": "drain the node and open a hardware case with the vendor",
 }
 

@@ -2,6 +2,8 @@
 
 - scheduler (the caller's thread): runs checks when due, or at once when the kernel log has news;
 - kernel-log watcher: blocks until the log has new lines, then wakes the scheduler for the xid check;
+- prober (only with long-running checks such as the NCCL probe): runs them on their own schedule, so a
+  five-minute probe never delays an XID;
 - sender: sends conditions and events when they change or are due, backing off when the API server is
   unwell, so a slow API server never delays a check;
 - endpoints: /metrics and /healthz.
@@ -80,6 +82,7 @@ class Daemon:
         self._kick = threading.Event()
         self._xid_done = threading.Event()
         self._last_loop = time.monotonic()
+        self._split_lanes = any(c.long_running for c in self.agent.checks)
         self.fatal: str | None = None
         self.endpoints = Endpoints(self.settings.listen, self.metrics.registry, self.health)
 
@@ -101,6 +104,8 @@ class Daemon:
             if self.reporter is not None:
                 self.reporter.start(sleep=self.stop.wait, stopping=self.stop.is_set)
                 threads.append(self._spawn("sender", self._send_loop))
+            if self._split_lanes:
+                threads.append(self._spawn("prober", self._probe_loop))
             reader = self.host.kernel_log
             if (self.settings.watch_kernel_log and reader is not None and getattr(reader, "wait_is_cheap", True)
                     and hasattr(reader, "wait") and any(c.name == "xid" for c in self.agent.checks)):
@@ -135,17 +140,31 @@ class Daemon:
     # -- loops ----------------------------------------------------------------------------------
 
     def _schedule_loop(self) -> None:
+        lane = False if self._split_lanes else None
         while not self.stop.is_set():
             self._last_loop = time.monotonic()
-            wait = self.agent.next_due() - self.clock()
+            wait = self.agent.next_due(lane) - self.clock()
             if wait > 0:
                 self._kick.wait(min(wait, 1.0))
                 self._kick.clear()
             try:
-                self.agent.run_due()
+                self.agent.run_due(lane)
             except Exception:  # noqa: BLE001 - a bug in one sweep must not end the daemon
                 log.exception("sweep failed")
             self._xid_done.set()
+
+    def _probe_loop(self) -> None:
+        """Long-running checks, one at a time. On shutdown a probe in flight is not waited for: its
+        process group is killed when the daemon exits."""
+        while not self.stop.is_set():
+            wait = self.agent.next_due(True) - self.clock()
+            if wait > 0:
+                self.stop.wait(min(wait, 1.0))
+                continue
+            try:
+                self.agent.run_due(True)
+            except Exception:  # noqa: BLE001
+                log.exception("probe sweep failed")
 
     def _watch_kernel_log(self) -> None:
         reader = self.host.kernel_log

@@ -109,7 +109,7 @@ def test_deploy_has_the_expected_manifests():
     assert kinds == {
         ("Namespace", "gpu-npd"), ("ServiceAccount", "gpu-npd"), ("ClusterRole", "gpu-npd"),
         ("ClusterRoleBinding", "gpu-npd"), ("ConfigMap", "gpu-npd-config"), ("DaemonSet", "gpu-npd"),
-        ("Service", "gpu-npd-metrics"), ("Job", "gpu-npd-preflight"),
+        ("Service", "gpu-npd-metrics"), ("Job", "gpu-npd-preflight"), ("Job", "gpu-npd-preflight-nccl"),
     }
 
 
@@ -352,6 +352,36 @@ def test_preflight_args_parse_with_the_cli(job):
     assert parsed.checks.split(",") == ["visibility", "pcie", "xid"]
 
 
+@pytest.fixture(scope="module")
+def nccl_job() -> dict:
+    return find("Job", "gpu-npd-preflight-nccl")
+
+
+def test_nccl_preflight_runs_the_probe_with_what_nccl_needs(nccl_job, job):
+    container = only_container(nccl_job)
+    parsed = build_parser().parse_args(container["args"])
+    assert parsed.checks.split(",") == ["visibility", "pcie", "xid", "nccl"] and parsed.output == "json"
+    assert parsed.nccl_tests == "/opt/nccl-tests/build/all_reduce_perf"
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert set(env["NVIDIA_DRIVER_CAPABILITIES"].split(",")) == {"compute", "utility"}
+    shm = next(v for v in pod_spec(nccl_job)["volumes"] if v["name"] == "shm")
+    assert shm["emptyDir"]["medium"] == "Memory"
+    assert {m["mountPath"] for m in container["volumeMounts"]} >= {"/dev/shm", "/tmp"}
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 8
+    assert container["image"].startswith("gpu-npd-nccl:")
+    assert host_mounts(nccl_job).keys() == host_mounts(job).keys()
+    assert all(mount.get("readOnly") is True for _, mount in host_mounts(nccl_job).values())
+    # The Job outlives the probe's own kill (check timeout 300 s less its margin).
+    assert nccl_job["spec"]["activeDeadlineSeconds"] > 300
+
+
+def test_nccl_dockerfile_builds_nccl_tests_where_the_job_looks():
+    text = (REPO / "Dockerfile.nccl").read_text(encoding="utf-8")
+    assert "/opt/nccl-tests/build" in text and "make -C /opt/nccl-tests" in text
+    copied = [line.split()[1] for line in text.splitlines() if line.startswith("COPY ") and "--from" not in line]
+    assert all((REPO / source).exists() for source in copied)
+
+
 # --- ConfigMap contents, through the project's loaders
 
 def test_site_rules_load_with_the_rule_loader(tmp_path, registry):
@@ -378,11 +408,12 @@ def test_config_commented_example_states_the_defaults(tmp_path, registry):
     example = tmp_path / "example.yaml"
     example.write_text(commented_example(text, "checks:"), encoding="utf-8")
     file, settings = load_check_settings(example)
-    assert set(settings) == {"visibility", "pcie", "xid"}
+    assert set(settings) == {"visibility", "pcie", "xid", "nccl"}
     build_checks(registry, None, settings, file)
     for name, values in settings.items():
         cls = registry.get(name)
         assert (values["interval"], values["timeout"]) == (cls.default_interval_s, cls.default_timeout_s), name
+        assert values.get("enabled", True) == cls.enabled_by_default, name
 
 
 # --- Dockerfile

@@ -44,7 +44,8 @@ def add_daemon_parsers(sub: Any) -> None:
                    help="real, fake:SCENARIO or fake:PATH.yaml [GPU_NPD_NVML] (default: real)")
     r.add_argument("--rules", action="append", type=Path, metavar="PATH",
                    help="rule file or directory; repeatable; 'builtin' names the bundled rules (default: builtin)")
-    r.add_argument("--checks", metavar="A,B", help="checks to run (default: all)")
+    r.add_argument("--checks", metavar="A,B", help="checks to run (default: every enabled one; the nccl probe "
+                                                   "is opt-in: name it here or set checks.nccl.enabled)")
     r.add_argument("--config", type=Path, metavar="FILE", help="YAML settings: checks.<name>.interval|timeout|...")
     r.add_argument("--listen", default=_env("GPU_NPD_LISTEN", DEFAULT_LISTEN), metavar="HOST:PORT",
                    help=f"/metrics and /healthz [GPU_NPD_LISTEN] (default: {DEFAULT_LISTEN})")

@@ -86,7 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--rules", action="append", type=Path, metavar="PATH",
                    help="rule file or directory; repeatable; 'builtin' names the bundled rules "
                         "(default: builtin only)")
-    d.add_argument("--checks", metavar="A,B", help="comma-separated checks to run (default: all; see "
+    d.add_argument("--checks", metavar="A,B", help="comma-separated checks to run (default: every enabled "
+                                                   "one, which leaves out the opt-in nccl probe; see "
                                                    "'gpu-npd checks')")
     d.add_argument("--config", type=Path, metavar="FILE", help="YAML settings: checks.<name>.<setting>")
     d.add_argument("--expect-gpus", type=int, metavar="N",

@@ -110,6 +110,9 @@ def test_deploy_has_the_expected_manifests():
         ("Namespace", "gpu-npd"), ("ServiceAccount", "gpu-npd"), ("ClusterRole", "gpu-npd"),
         ("ClusterRoleBinding", "gpu-npd"), ("ConfigMap", "gpu-npd-config"), ("DaemonSet", "gpu-npd"),
         ("Service", "gpu-npd-metrics"), ("Job", "gpu-npd-preflight"), ("Job", "gpu-npd-preflight-nccl"),
+        ("ServiceAccount", "gpu-npd-simulator"), ("ClusterRole", "gpu-npd-simulator"),
+        ("ClusterRoleBinding", "gpu-npd-simulator"), ("ConfigMap", "gpu-npd-fleet"),
+        ("Deployment", "gpu-npd-simulator"), ("Node", "kwok-gpu-manual-0"), ("Node", "kwok-gpu-manual-1"),
     }
 
 
@@ -135,7 +138,7 @@ def test_schema_validation_is_strict_and_offline(daemonset):
 
 
 def test_namespaced_objects_live_in_the_gpu_npd_namespace():
-    cluster_scoped = {"Namespace", "ClusterRole", "ClusterRoleBinding"}
+    cluster_scoped = {"Namespace", "ClusterRole", "ClusterRoleBinding", "Node"}
     for path, _, doc in ALL_DOCS:
         namespace = doc["metadata"].get("namespace")
         if doc["kind"] in cluster_scoped:
@@ -380,6 +383,40 @@ def test_nccl_dockerfile_builds_nccl_tests_where_the_job_looks():
     assert "/opt/nccl-tests/build" in text and "make -C /opt/nccl-tests" in text
     copied = [line.split()[1] for line in text.splitlines() if line.startswith("COPY ") and "--from" not in line]
     assert all((REPO / source).exists() for source in copied)
+
+
+# --- KWOK: the fleet simulator
+
+def test_simulator_role_adds_only_list_and_create_nodes_to_the_daemon_role():
+    daemon = {(r, v) for rule in find("ClusterRole", "gpu-npd")["rules"] for r in rule["resources"] for v in rule["verbs"]}
+    sim = {(r, v) for rule in find("ClusterRole", "gpu-npd-simulator")["rules"]
+           for r in rule["resources"] for v in rule["verbs"]}
+    assert sim - daemon == {("nodes", "list"), ("nodes", "create")} and daemon <= sim
+
+
+def test_simulator_deployment_runs_the_fleet_file_as_non_root(tmp_path, registry):
+    from detector.sim.fleetfile import load_fleet
+
+    deployment = find("Deployment", "gpu-npd-simulator")
+    container = only_container(deployment)
+    parsed = build_parser().parse_args(container["args"])
+    assert parsed.func.__name__ == "cmd_simulate" and parsed.fleet == Path("/etc/gpu-npd-sim/fleet.yaml")
+    assert pod_spec(deployment)["serviceAccountName"] == "gpu-npd-simulator"
+    assert pod_spec(deployment)["securityContext"]["runAsNonRoot"] is True
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    fleet = tmp_path / "fleet.yaml"
+    fleet.write_text(find("ConfigMap", "gpu-npd-fleet")["data"]["fleet.yaml"], encoding="utf-8")
+    spec = load_fleet(fleet)
+    assert len(spec.nodes) == 100 and spec.fault_specs
+
+
+def test_kwok_nodes_follow_kwok_conventions():
+    for name in ("kwok-gpu-manual-0", "kwok-gpu-manual-1"):
+        node = find("Node", name)
+        assert node["metadata"]["annotations"]["kwok.x-k8s.io/node"] == "fake"
+        assert node["metadata"]["labels"]["type"] == "kwok"
+        assert {"key": "kwok.x-k8s.io/node", "value": "fake", "effect": "NoSchedule"} in node["spec"]["taints"]
+        assert node["status"]["capacity"]["nvidia.com/gpu"] == "8"
 
 
 # --- ConfigMap contents, through the project's loaders

@@ -121,9 +121,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     from detector.cli.daemon import add_daemon_parsers
     from detector.cli.demo import add_demo_parser
+    from detector.cli.simulate import add_simulate_parser
 
     add_daemon_parsers(sub)
     add_demo_parser(sub)
+    add_simulate_parser(sub)
     return parser
 
 

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Callable
+from typing import Callable, Mapping
+
+# (method, path) -> handler(request body) -> (status code, body, content type): extra routes (the fleet
+# simulator's /faults).
+Route = Callable[[bytes], tuple[int, bytes, str]]
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
@@ -19,12 +23,25 @@ def parse_listen(address: str) -> tuple[str, int]:
 class Endpoints:
     """`health()` returns (ok, text): the daemon's own judgement of whether it is working."""
 
-    def __init__(self, address: str, registry: CollectorRegistry, health: Callable[[], tuple[bool, str]]):
+    def __init__(self, address: str, registry: CollectorRegistry, health: Callable[[], tuple[bool, str]],
+                 routes: Mapping[tuple[str, str], Route] | None = None):
         endpoints = self
+        extra = dict(routes or {})
 
         class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802
+                route = extra.get(("POST", self.path.split("?")[0]))
+                if route is None:
+                    self._send(404, b"not found\n", "text/plain; charset=utf-8")
+                    return
+                length = int(self.headers.get("Content-Length") or 0)
+                self._send(*route(self.rfile.read(min(length, 1 << 20))))
+
             def do_GET(self) -> None:  # noqa: N802 - the stdlib's name
-                if self.path.split("?")[0] == "/metrics":
+                route = extra.get(("GET", self.path.split("?")[0]))
+                if route is not None:
+                    self._send(*route(b""))
+                elif self.path.split("?")[0] == "/metrics":
                     self._send(200, generate_latest(endpoints.registry), CONTENT_TYPE_LATEST)
                 elif self.path.split("?")[0] in ("/healthz", "/livez", "/readyz"):
                     ok, text = endpoints.health()

@@ -75,6 +75,15 @@ class KubeApi:
     def get_node(self, name: str) -> dict[str, Any]:
         return self._call("get", "nodes", "GET", f"/api/v1/nodes/{quote(name)}")
 
+    def list_nodes(self, label_selector: str = "") -> list[dict[str, Any]]:
+        """The fleet simulator's adoption of existing (KWOK) nodes; the daemon never lists."""
+        query = f"?labelSelector={quote(label_selector)}" if label_selector else ""
+        return self._call("list", "nodes", "GET", f"/api/v1/nodes{query}").get("items", [])
+
+    def create_node(self, body: dict[str, Any]) -> dict[str, Any]:
+        """The fleet simulator's own (KWOK) nodes; the daemon never creates one."""
+        return self._call("create", "nodes", "POST", "/api/v1/nodes", body)
+
     def patch_node_status(self, name: str, body: dict[str, Any]) -> dict[str, Any]:
         return self._call("patch", "nodes/status", "PATCH", f"/api/v1/nodes/{quote(name)}/status", body,
                           STRATEGIC_MERGE)

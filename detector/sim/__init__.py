@@ -1,0 +1,1 @@
+"""The fleet simulator: many fake GPU nodes, one process."""

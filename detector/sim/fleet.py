@@ -1,0 +1,240 @@
+"""A fleet of fake GPU nodes in one process: each node is a fake NVML node with the daemon's own node
+agent (checks, rules, held problems) and Kubernetes reporter, so its conditions and events are what a
+real node would show. Every node shares one scheduler and one API client (one connection pool)."""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable
+
+from detector.agent.agent import AgentSettings, NodeAgent
+from detector.config import build_checks
+from detector.core.check import CheckRegistry
+from detector.kube.api import ApiError, KubeApi
+from detector.kube.conditions import MARKER, MESSAGE_LIMIT
+from detector.kube.reporter import KubeReporter, ReporterSettings
+from detector.rules.loader import RuleSet
+from detector.sim.faultlog import FaultLog
+from detector.sim.fleetfile import FleetSpec, SimNodeSpec
+from detector.sim.scheduler import Scheduler, Task
+from detector.sim.timeline import PlannedFault, plan_faults
+from fake_nvml.faults import Fault
+from fake_nvml.host import fake_host
+from fake_nvml.node import FakeNode
+from fake_nvml.scenario import load_scenario
+
+log = logging.getLogger("gpu_npd.sim")
+
+KWOK_ANNOTATION = "kwok.x-k8s.io/node"
+KWOK_TAINT = {"key": "kwok.x-k8s.io/node", "value": "fake", "effect": "NoSchedule"}
+SCENARIO_LABEL = "gpu-npd.io/scenario"
+RACK_LABEL = "gpu-npd.io/rack"
+RETRY_S = 30.0
+# Every kernel line in a fleet comes from a fault the fleet injects, and an injection runs the node's
+# checks at once, so the xid check needs no 5-second polling here.
+FLEET_CHECK_DEFAULTS: dict[str, dict[str, Any]] = {"xid": {"interval": 300.0}}
+
+
+@dataclass
+class FleetSettings:
+    workers: int = 8
+    start_spread_s: float = 60.0          # nodes start over this long (a rolling start)
+    horizon_s: float = 24 * 3600.0        # random faults are planned this far ahead
+    create_nodes: bool = True             # False: adopt existing nodes (`adopt_selector`)
+    adopt_selector: str = "type=kwok"
+    agent: AgentSettings = field(default_factory=lambda: AgentSettings(start_spread_s=0.0))
+    reporter: ReporterSettings = field(default_factory=ReporterSettings)
+
+
+class SimNode:
+    """One simulated node: its fake GPUs, the daemon's agent and reporter, and its two tasks."""
+
+    def __init__(self, spec: SimNodeSpec, fake: FakeNode, agent: NodeAgent, reporter: KubeReporter,
+                 stopping: threading.Event):
+        self.spec, self.fake, self.agent, self.reporter = spec, fake, agent, reporter
+        self.checks_task = _ChecksTask(self, stopping)
+        self.send_task = _SendTask(self)
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+
+class _ChecksTask(Task):
+    def __init__(self, node: SimNode, stopping: threading.Event):
+        super().__init__()
+        self.node, self.stopping = node, stopping
+        self.name = f"checks of {node.name}"
+
+    def run(self) -> float | None:
+        agent, reporter = self.node.agent, self.node.reporter
+        if not reporter.started:
+            try:
+                reporter.start(sleep=self.stopping.wait, stopping=self.stopping.is_set)
+            except ApiError as e:
+                log.error("node %s: %s; retrying in %.0fs", self.node.name, e, RETRY_S)
+                return agent.clock() + RETRY_S
+            reporter.started = True            # carried on without the node's conditions if it timed out
+        agent.run_due()
+        return agent.next_due()
+
+
+class _SendTask(Task):
+    def __init__(self, node: SimNode):
+        super().__init__()
+        self.node = node
+        self.name = f"reports of {node.name}"
+
+    def run(self) -> float | None:
+        reporter = self.node.reporter
+        if not reporter.started:
+            return None                        # woken again when the checks task has read the node
+        try:
+            reporter.flush()
+        except ApiError as e:
+            log.error("node %s: %s", self.node.name, e.message)
+            return reporter.clock() + RETRY_S
+        return reporter.due_at()
+
+
+class _FaultsTask(Task):
+    name = "fault timeline"
+
+    def __init__(self, fleet: "Fleet", planned: list[PlannedFault]):
+        super().__init__()
+        self.fleet, self.planned, self.next = fleet, planned, 0
+
+    def run(self) -> float | None:
+        now = self.fleet.clock()
+        while self.next < len(self.planned) and self.fleet.started_at + self.planned[self.next].at_s <= now:
+            p = self.planned[self.next]
+            self.next += 1
+            if p.node in self.fleet.nodes:
+                self.fleet.inject(p.node, p.fault, p.source)
+        if self.next < len(self.planned):
+            return self.fleet.started_at + self.planned[self.next].at_s
+        return None
+
+
+class Fleet:
+    def __init__(self, spec: FleetSpec, api: KubeApi, ruleset: RuleSet, registry: CheckRegistry,
+                 settings: FleetSettings | None = None, fault_log: FaultLog | None = None,
+                 clock: Callable[[], float] = time.time, rng: random.Random | None = None):
+        self.spec, self.api, self.ruleset, self.registry = spec, api, ruleset, registry
+        self.settings = settings or FleetSettings()
+        self.fault_log = fault_log or FaultLog(None)
+        self.clock = clock
+        self.rng = rng or random.Random(spec.seed)
+        self.scheduler = Scheduler(self.settings.workers, clock)
+        self.stopping = threading.Event()
+        self.nodes: dict[str, SimNode] = {}
+        self.started_at = clock()
+        self._owned_types = sorted(ruleset.types())
+        self._check_settings = {**FLEET_CHECK_DEFAULTS, **spec.check_settings}
+        self._agent_settings = replace(self.settings.agent, state_dir=None,
+                                       message_limit=min(self.settings.agent.message_limit,
+                                                         MESSAGE_LIMIT - len(MARKER)))
+
+    # -- life -------------------------------------------------------------------------------------
+
+    def start(self, progress: Callable[[str], None] = lambda message: None) -> None:
+        """Register (or adopt) every node, then start them spread over `start_spread_s`; faults follow
+        the timeline from now."""
+        specs = self._bind_nodes(progress)
+        scenarios = {s: load_scenario(s) for s in {spec.scenario for spec in specs}}
+        for i, spec in enumerate(specs):
+            fake = scenarios[spec.scenario].build(spec.name)
+            if self.settings.create_nodes:
+                self._create(spec, fake)
+            self.nodes[spec.name] = self._build(spec, fake)
+            if i and i % 1000 == 0:
+                progress(f"registered and built {i} of {len(specs)} nodes")
+        self.started_at = self.clock()
+        spread = self.settings.start_spread_s
+        for i, node in enumerate(self.nodes.values()):
+            self.scheduler.wake(node.checks_task, self.started_at + spread * i / max(len(self.nodes), 1))
+        planned = plan_faults(self.spec, self.settings.horizon_s)
+        if self.settings.create_nodes is False:
+            planned = [replace(p, node=self._adopted.get(p.node, p.node)) for p in planned]
+        if planned:
+            self.scheduler.wake(_FaultsTask(self, planned), self.started_at + planned[0].at_s)
+        self.scheduler.start()
+        progress(f"{len(self.nodes)} nodes starting over {spread:g}s; {len(planned)} faults planned")
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.scheduler.stop()
+
+    # -- faults ---------------------------------------------------------------------------------------
+
+    def inject(self, node_name: str, fault: Fault, source: str = "command") -> dict[str, Any]:
+        """Inject now, log it, and run the node's checks at once (as its kernel log would wake the daemon)."""
+        node = self.nodes.get(node_name)
+        if node is None:
+            raise KeyError(f"no simulated node named {node_name!r}")
+        node.fake.inject(fault)
+        now = self.clock()
+        record = self.fault_log.record(now, now - self.started_at, node_name, fault, source)
+        for check in node.agent.checks:
+            node.agent.kick(check.name)
+        self.scheduler.wake(node.checks_task)
+        return record
+
+    # -- building -------------------------------------------------------------------------------------
+
+    def _bind_nodes(self, progress: Callable[[str], None]) -> list[SimNodeSpec]:
+        self._adopted: dict[str, str] = {}
+        if self.settings.create_nodes:
+            return list(self.spec.nodes)
+        found = sorted(n["metadata"]["name"] for n in self.api.list_nodes(self.settings.adopt_selector))
+        if len(found) < len(self.spec.nodes):
+            log.warning("%d nodes match %r; the fleet file describes %d: simulating %d", len(found),
+                        self.settings.adopt_selector, len(self.spec.nodes), len(found))
+        bound = [replace(spec, name=name) for spec, name in zip(self.spec.nodes, found)]
+        self._adopted = {spec.name: name for spec, name in zip(self.spec.nodes, found)}
+        progress(f"adopted {len(bound)} nodes matching {self.settings.adopt_selector!r}")
+        return bound
+
+    def _create(self, spec: SimNodeSpec, fake: FakeNode) -> None:
+        gpus = fake.read(lambda state: [g.model.name for g in state.gpus])
+        try:
+            self.api.create_node(kwok_node(spec, self.spec.groups[spec.group].scenario,
+                                           gpus[0].replace(" ", "-") if gpus else None))
+        except ApiError as e:
+            if e.status != 409:                # already there: adopt it as it is
+                raise
+
+    def _build(self, spec: SimNodeSpec, fake: FakeNode) -> SimNode:
+        host = fake_host(fake, threaded=False)
+        checks = build_checks(self.registry, None, self._check_settings)
+        rng = random.Random(self.rng.random())
+        reporter = KubeReporter(self.api, spec.name, self._owned_types, self.settings.reporter, self.clock, rng)
+        agent = NodeAgent(host, checks, self.ruleset, [reporter], self._agent_settings, self.clock, rng)
+        node = SimNode(spec, fake, agent, reporter, self.stopping)
+        reporter.on_pending = lambda: self.scheduler.wake(node.send_task)
+        return node
+
+
+def kwok_node(spec: SimNodeSpec, scenario: str, product: str | None = None) -> dict[str, Any]:
+    """A KWOK fake node carrying what GPU feature discovery and the device plugin would put on a real one."""
+    labels = {
+        "type": "kwok", "kubernetes.io/hostname": spec.name, "kubernetes.io/os": "linux",
+        "kubernetes.io/arch": "amd64", "nvidia.com/gpu.present": "true", "nvidia.com/gpu.count": str(spec.gpus),
+        SCENARIO_LABEL: scenario,
+    }
+    if product:
+        labels["nvidia.com/gpu.product"] = product
+    if spec.rack:
+        labels[RACK_LABEL] = spec.rack
+    labels.update(spec.labels)
+    resources = {"cpu": "192", "memory": "2064Gi", "pods": "110", "nvidia.com/gpu": str(spec.gpus)}
+    return {
+        "apiVersion": "v1", "kind": "Node",
+        "metadata": {"name": spec.name, "labels": labels, "annotations": {KWOK_ANNOTATION: "fake"}},
+        "spec": {"taints": [dict(KWOK_TAINT)]},
+        "status": {"capacity": dict(resources), "allocatable": dict(resources)},
+    }

@@ -1,0 +1,384 @@
+"""The fleet file of `gpu-npd simulate`: which fake nodes exist and which faults they will suffer.
+
+Everything is checked when the file loads, each mistake named by file, line and field, so a typo
+fails in the first second rather than an hour into a simulated run. Fault selectors (rack, labels,
+fraction) are resolved here too; only the timing of random faults is left to the timeline.
+
+    version: 1
+    seed: 42
+    nodes:
+      - {scenario: h100-sxm-8, count: 40, name: "gpu-h100-{index:04d}", racks: 5, labels: {team: a}}
+    checks:
+      visibility: {interval: 120}
+    faults:
+      - {at: 60, node: gpu-h100-0017, kind: xid, gpu: 3, code: 79}
+      - {at: 5m, rack: rack-02, kind: pcie, gpu: all, width: 8}
+      - {random: {rate: 0.01}, kind: xid, gpu: random, code: 79}
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import re
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from detector.yamlsource import MappingReader, SourceError, load_yaml
+from fake_nvml.faults import FAULT_KINDS, Fault
+from fake_nvml.scenario import Scenario, bundled_scenarios, load_scenario
+
+if TYPE_CHECKING:
+    from detector.core.check import CheckRegistry
+
+FLEET_VERSION = 1
+GPU_ALL, GPU_RANDOM = "all", "random"
+
+_TOP_FIELDS = {"version", "seed", "nodes", "checks", "faults"}
+_GROUP_FIELDS = {"scenario", "count", "name", "racks", "labels"}
+_SELECTORS = ("node", "rack", "labels", "fraction")
+_FAULT_FIELDS = {"at", "random", "kind", "gpu", *_SELECTORS}     # any other key is a fault parameter
+_RANDOM_FIELDS = {"rate", "rate_per_hour", "from", "until"}
+_DURATION = re.compile(r"^(\d+(?:\.\d*)?|\.\d+)\s*([smhd]?)$")
+_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
+# Kubernetes' own syntax: node names are DNS subdomains; label keys have an optional DNS prefix.
+_NODE_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+_LABEL_NAME = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
+_LABEL_PREFIX = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
+
+
+@dataclass(frozen=True)
+class NodeGroup:
+    """One entry of `nodes:`: `count` nodes of one scenario."""
+
+    scenario: str                    # the scenario's name: a bundled name, or a scenario file's stem
+    scenario_path_or_name: str       # what load_scenario takes: the bundled name, or the resolved path
+    count: int
+    name_pattern: str                # str.format pattern with {index}, counted from 0 within the group
+    labels: dict[str, str]
+    racks: int | None
+    gpus: int                        # GPUs per node of this scenario
+
+
+@dataclass(frozen=True)
+class SimNodeSpec:
+    """One node of the fleet, in fleet order."""
+
+    name: str
+    scenario: str                    # what load_scenario takes (NodeGroup.scenario_path_or_name)
+    labels: dict[str, str]           # the group's `labels:` only (racks are in `rack`)
+    gpus: int
+    rack: str | None
+    group: int = 0                   # index into FleetSpec.groups
+
+
+@dataclass(frozen=True)
+class RandomRate:
+    """When a random fault strikes: a Poisson process, per node or over all its target nodes."""
+
+    per_node_hour: float | None      # `rate`: each target node independently
+    per_hour: float | None           # `rate_per_hour`: the target nodes together, the node picked uniformly
+    from_s: float = 0.0
+    until_s: float | None = None     # None: the planning horizon
+
+
+@dataclass(frozen=True)
+class FaultSpec:
+    """One entry of `faults:`, its targets resolved to node names (fleet order)."""
+
+    index: int                       # position under `faults:`
+    line: int | None
+    stream: str                      # seeds its random choices: its own text, so editing others leaves them be
+    source: str                      # scripted (one node) | correlated (a selector) | random (a rate)
+    kind: str
+    gpu: int | str | None            # a GPU index, "all", "random", or None
+    params: dict[str, Any]
+    targets: tuple[str, ...]
+    at_s: float | None = None        # scripted and correlated
+    random: RandomRate | None = None
+
+
+@dataclass(frozen=True)
+class FleetSpec:
+    file: str
+    seed: int
+    groups: list[NodeGroup]
+    nodes: list[SimNodeSpec]
+    check_settings: dict[str, Any]   # a config.yaml `checks:` mapping, already validated
+    fault_specs: list[FaultSpec]
+
+
+def load_fleet(path: Path, registry: "CheckRegistry | None" = None) -> FleetSpec:
+    """Read and validate a fleet file; scenario paths in it are relative to the file.
+    `registry` validates `checks:` (default: the installed checks)."""
+    doc = load_yaml(path)
+    return _build(doc.data, doc.file, path.parent, registry)
+
+
+def fleet_from_dict(data: Any, file: str = "<fleet>", base_dir: Path | None = None,
+                    registry: "CheckRegistry | None" = None) -> FleetSpec:
+    """A fleet from data already in memory (tests, fleets built in code); errors name `file`."""
+    return _build(data, file, base_dir or Path.cwd(), registry)
+
+
+def _build(data: Any, file: str, base_dir: Path, registry: "CheckRegistry | None") -> FleetSpec:
+    top = MappingReader(file, data, "")
+    top.reject_unknown(_TOP_FIELDS)
+    version = top.get("version", int)
+    if version != FLEET_VERSION:
+        raise top.error("version", f"unsupported version {version} (this gpu-npd reads version {FLEET_VERSION})")
+    seed = top.get("seed", int, 0)
+    groups, nodes = _nodes(top, base_dir)
+    settings = _check_settings(top, registry)
+    by_name = {n.name: n for n in nodes}
+    faults: list[FaultSpec] = []
+    seen: Counter[str] = Counter()
+    for index, (path, line, item) in enumerate(top.items("faults", [])):
+        text = json.dumps(item, sort_keys=True, default=str)
+        seen[text] += 1                      # twins draw from streams of their own, not the same one
+        stream = f"{seed}:{text}:{seen[text]}"
+        faults.append(_fault_spec(MappingReader(file, item, path, line), index, line, stream, nodes, by_name))
+    return FleetSpec(file, seed, groups, nodes, settings, faults)
+
+
+# -- nodes ---------------------------------------------------------------------------------------------
+
+def _nodes(top: MappingReader, base_dir: Path) -> tuple[list[NodeGroup], list[SimNodeSpec]]:
+    entries = top.items("nodes")
+    if not entries:
+        raise top.error("nodes", "lists no node group: give at least one {scenario: ..., count: ...}")
+    scenarios: dict[str, Scenario] = {}      # each scenario file is read once, however many groups use it
+    groups: list[NodeGroup] = []
+    nodes: list[SimNodeSpec] = []
+    made_by: dict[str, str] = {}             # node name -> the group that made it
+    rack_base = 0
+    for index, (path, line, item) in enumerate(entries):
+        r = MappingReader(top.file, item, path, line)
+        r.reject_unknown(_GROUP_FIELDS)
+        ref, scenario = _scenario(r, base_dir, scenarios)
+        count = r.get("count", int, 1)
+        if count < 1:
+            raise r.error("count", f"must be at least 1, got {count}")
+        pattern = _name_pattern(r, f"{scenario.name}-{{index:04d}}", count)
+        racks = r.get("racks", int, None)
+        if racks is not None and not 1 <= racks <= count:
+            raise r.error("racks", f"must be 1 to {count} (the group's node count), got {racks}")
+        labels = _labels(r, "labels") if _given(r, "labels") else {}
+        group = NodeGroup(scenario.name, ref, count, pattern, labels, racks, len(scenario.pci_bus_ids))
+        for i in range(count):
+            name = pattern.format(index=i)
+            if name in made_by:
+                raise r.error("name", f"node name {name!r} is already used by {made_by[name]}")
+            if len(name) > 253 or not _NODE_NAME.match(name):
+                raise r.error("name", f"{name!r} is not a valid Kubernetes node name (lowercase letters, digits, "
+                                      "'-' and '.'); set `name:` to a pattern that makes one")
+            made_by[name] = path
+            rack = f"rack-{rack_base + i * racks // count:02d}" if racks else None
+            nodes.append(SimNodeSpec(name, ref, dict(labels), group.gpus, rack, index))
+        rack_base += racks or 0
+        groups.append(group)
+    return groups, nodes
+
+
+def _scenario(r: MappingReader, base_dir: Path, cache: dict[str, Scenario]) -> tuple[str, Scenario]:
+    ref = r.get("scenario", str)
+    is_path = ref.endswith((".yaml", ".yml")) or "/" in ref
+    if is_path:
+        path = Path(ref).expanduser()
+        ref = str(path if path.is_absolute() else base_dir / path)
+    if ref not in cache:
+        try:
+            cache[ref] = load_scenario(ref)
+        except SourceError as e:
+            if is_path:
+                raise r.error("scenario", f"cannot load scenario file: {e}") from None
+            raise r.error("scenario", f"unknown scenario {ref!r} (bundled: {', '.join(bundled_scenarios())}; "
+                                      "a scenario file's path ends in .yaml or contains '/')") from None
+    return ref, cache[ref]
+
+
+def _name_pattern(r: MappingReader, default: str, count: int) -> str:
+    pattern = r.get("name", str, default)
+    try:
+        first = pattern.format(index=0)
+        second = pattern.format(index=1)
+    except (KeyError, IndexError, ValueError, AttributeError, TypeError) as e:
+        raise r.error("name", f"not a usable name pattern ({type(e).__name__}: {e}); its one placeholder is "
+                              "{index}, e.g. \"gpu-{index:04d}\"") from None
+    if count > 1 and first == second:
+        raise r.error("name", f"gives all {count} nodes the same name {first!r}: put {{index}} in it")
+    return pattern
+
+
+def _labels(r: MappingReader, key: str) -> dict[str, str]:
+    """Label values are strings to Kubernetes; YAML's `gen: 5` or `spare: true` become "5" and "true"."""
+    labels = r.child(key)
+    out: dict[str, str] = {}
+    for name, value in labels.data.items():
+        prefix, _, local = str(name).rpartition("/")
+        if not isinstance(name, str) or not _LABEL_NAME.match(local) or prefix and not _LABEL_PREFIX.match(prefix):
+            raise labels.error(name, "not a valid label key (an optional DNS prefix and '/', then up to 63 "
+                                     "letters, digits, '-', '_' or '.', starting and ending alphanumeric)")
+        if isinstance(value, bool):
+            text = "true" if value else "false"
+        elif isinstance(value, (str, int, float)):
+            text = str(value)
+        else:
+            raise labels.error(name, f"a label value is a plain value, not {type(value).__name__}")
+        if text and not _LABEL_NAME.match(text):
+            raise labels.error(name, f"{text!r} is not a valid label value (up to 63 letters, digits, '-', '_' "
+                                     "or '.', starting and ending alphanumeric)")
+        out[name] = text
+    return out
+
+
+def _check_settings(top: MappingReader, registry: "CheckRegistry | None") -> dict[str, Any]:
+    settings = top.get("checks", dict, {})
+    if not settings:
+        return settings
+    checks = top.child("checks")
+    for name, value in settings.items():
+        if value is not None and not isinstance(value, dict):
+            raise checks.error(name, f"expected a mapping of settings, got {value!r}")
+    # Imported here: loading every check plugin costs half a second a fleet without `checks:` need not pay.
+    from detector.config import build_checks
+    from detector.core.check import CheckRegistry
+    try:
+        build_checks(registry or CheckRegistry.from_entry_points(), None, settings, top.file)
+    except SourceError:
+        raise
+    except ValueError as e:                  # a check's own validation beyond its declared fields
+        raise top.error("checks", str(e)) from None
+    return settings
+
+
+# -- faults --------------------------------------------------------------------------------------------
+
+def _fault_spec(r: MappingReader, index: int, line: int | None, stream: str, nodes: list[SimNodeSpec],
+                by_name: dict[str, SimNodeSpec]) -> FaultSpec:
+    at_s, rate = _timing(r)
+    kind = r.get("kind", str)
+    gpu = r.get("gpu", (int, str), None)
+    params = {k: v for k, v in r.data.items() if k not in _FAULT_FIELDS}
+    _validate_fault(r, kind, gpu, params)
+    source, targets = _targets(r, nodes, by_name, random.Random(f"{stream}:select"), timed=at_s is not None)
+    if isinstance(gpu, int):
+        _check_gpu_index(r, gpu, targets)
+    return FaultSpec(index, line, stream, source, kind, gpu, params, tuple(n.name for n in targets), at_s, rate)
+
+
+def _timing(r: MappingReader) -> tuple[float | None, RandomRate | None]:
+    if _given(r, "at") and _given(r, "random"):
+        raise r.error("random", "give either `at` (a time after the start) or `random` (a rate), not both")
+    if not _given(r, "at") and not _given(r, "random"):
+        raise r.error(None, "missing `at` (a time after the start) or `random` (a rate)")
+    if _given(r, "at"):
+        return _duration(r, "at"), None
+    rr = r.child("random")
+    rr.reject_unknown(_RANDOM_FIELDS)
+    if _given(rr, "rate") and _given(rr, "rate_per_hour"):
+        raise rr.error("rate_per_hour", "give either `rate` (per node per hour) or `rate_per_hour` "
+                                        "(all its nodes together), not both")
+    if not _given(rr, "rate") and not _given(rr, "rate_per_hour"):
+        raise r.error("random", "missing `rate` (per node per hour) or `rate_per_hour` (all its nodes together)")
+    key = "rate" if _given(rr, "rate") else "rate_per_hour"
+    value = float(rr.get(key, float))
+    if not (value > 0 and math.isfinite(value)):
+        raise rr.error(key, f"must be a positive number of faults per hour, got {value:g}")
+    from_s = _duration(rr, "from") if _given(rr, "from") else 0.0
+    until_s = _duration(rr, "until") if _given(rr, "until") else None
+    if until_s is not None and until_s <= from_s:
+        raise rr.error("until", f"must be later than `from` ({from_s:g}s), got {until_s:g}s")
+    per_node = value if key == "rate" else None
+    return None, RandomRate(per_node, None if per_node is not None else value, from_s, until_s)
+
+
+def _duration(r: MappingReader, key: str) -> float:
+    value = r.get(key, (int, float, str))
+    if isinstance(value, str):
+        m = _DURATION.match(value.strip())
+        if not m:
+            raise r.error(key, f"expected a non-negative duration: seconds (90) or with a unit (90s, 5m, 1h, 2d), "
+                               f"got {value!r}")
+        seconds = float(m[1]) * _UNITS[m[2]]
+    else:
+        seconds = float(value)
+    if not (seconds >= 0 and math.isfinite(seconds)):
+        raise r.error(key, f"expected a non-negative duration, got {value!r}")
+    return seconds
+
+
+def _validate_fault(r: MappingReader, kind: str, gpu: int | str | None, params: dict[str, Any]) -> None:
+    """Fault validates itself; this only finds the field to blame for its complaint."""
+    if isinstance(gpu, str) and gpu not in (GPU_ALL, GPU_RANDOM):
+        raise r.error("gpu", f"expected a GPU index, {GPU_ALL!r} or {GPU_RANDOM!r}, got {gpu!r}")
+    if isinstance(gpu, int) and gpu < 0:
+        raise r.error("gpu", f"expected a GPU index (0 or more), got {gpu}")
+    try:
+        Fault(kind, 0 if isinstance(gpu, str) else gpu, params)
+    except ValueError as e:
+        spec = FAULT_KINDS.get(kind)
+        if spec is None:
+            raise r.error("kind", str(e)) from None
+        unknown = next((k for k in params if k not in spec.params), None)
+        if unknown is not None:
+            raise r.error(unknown, f"{e}; a fault entry also takes: {', '.join(sorted(_FAULT_FIELDS))}") from None
+        blamed = next((k for k in params if str(e).startswith(f"fault {kind!r}: {k} ")), None)
+        raise r.error(blamed or ("gpu" if "'gpu'" in str(e) else None), str(e)) from None
+    if isinstance(gpu, str) and not FAULT_KINDS[kind].needs_gpu:
+        raise r.error("gpu", f"{kind!r} faults need no GPU, so `gpu: {gpu}` has none to pick: leave gpu out")
+
+
+def _targets(r: MappingReader, nodes: list[SimNodeSpec], by_name: dict[str, SimNodeSpec],
+             rng: random.Random, timed: bool) -> tuple[str, list[SimNodeSpec]]:
+    """(source, target nodes): `node` alone; else `rack` and/or `labels` narrow the fleet, and
+    `fraction` takes a seeded share (at least one) of what is left."""
+    given = [k for k in _SELECTORS if _given(r, k)]
+    if "node" in given:
+        if len(given) > 1:
+            raise r.error(given[1] if given[0] == "node" else given[0],
+                          "`node` names one node: it combines with no rack, labels or fraction")
+        name = r.get("node", str)
+        node = by_name.get(name)
+        if node is None:
+            raise r.error("node", f"no node named {name!r} in the fleet (its nodes run from {nodes[0].name!r} "
+                                  f"to {nodes[-1].name!r})")
+        return ("scripted" if timed else "random"), [node]
+    if timed and not given:
+        raise r.error(None, "a fault with `at` needs a target: node, rack, labels or fraction")
+    chosen = nodes
+    if _given(r, "rack"):
+        rack = r.get("rack", str)
+        chosen = [n for n in chosen if n.rack == rack]
+        if not chosen:
+            racks = sorted({n.rack for n in nodes if n.rack})
+            known = f"racks: {', '.join(racks)}" if racks else "no node group has `racks:`"
+            raise r.error("rack", f"no node is in rack {rack!r} ({known})")
+    if _given(r, "labels"):
+        want = _labels(r, "labels")
+        chosen = [n for n in chosen if all(n.labels.get(k) == v for k, v in want.items())]
+        if not chosen:
+            where = f" in rack {r.get('rack', str)!r}" if _given(r, "rack") else ""
+            raise r.error("labels", f"no node{where} has the labels {want}")
+    if _given(r, "fraction"):
+        fraction = float(r.get("fraction", float))
+        if not 0 < fraction <= 1:
+            raise r.error("fraction", f"must be more than 0 and at most 1, got {fraction:g}")
+        keep = sorted(rng.sample(range(len(chosen)), max(1, round(fraction * len(chosen)))))
+        chosen = [chosen[i] for i in keep]
+    return ("correlated" if timed else "random"), list(chosen)
+
+
+def _check_gpu_index(r: MappingReader, gpu: int, targets: list[SimNodeSpec]) -> None:
+    short = [n for n in targets if gpu >= n.gpus]
+    if short:
+        others = f" (and {len(short) - 1} more of its targets)" if len(short) > 1 else ""
+        raise r.error("gpu", f"no GPU {gpu} on node {short[0].name!r}{others}: it has GPUs 0 to {short[0].gpus - 1}")
+
+
+def _given(r: MappingReader, key: str) -> bool:
+    """A key left empty (`rack:`) counts as left out, as MappingReader.get treats it."""
+    return r.data.get(key) is not None

@@ -38,6 +38,7 @@ from detector.kube.api import KubeApi  # noqa: E402
 from detector.rules.loader import load_rules  # noqa: E402
 from detector.sim.fleet import Fleet, FleetSettings  # noqa: E402
 from detector.sim.fleetfile import fleet_from_dict  # noqa: E402
+from detector.sim.timeline import plan_faults  # noqa: E402
 
 FAULT_TYPES = ("GpuXidError", "GpuMissing")
 
@@ -159,10 +160,13 @@ def run(args: argparse.Namespace, url: str, admin_kubeconfig: Path, work: Path) 
     rss_steady = process.memory_info().rss
     say(f"steady state: {steady_end - steady_begin:.0f}s measured")
 
-    time.sleep(max(0.0, fleet.started_at + fault_at + 0.5 - time.time()))
+    planned = len([p for p in plan_faults(spec, fault_at + 1) if p.at_s == fault_at])
+    while len(fleet.fault_log.records()) < planned:          # injecting 750 faults takes a moment
+        time.sleep(0.1)
     injected = {r["node"] for r in fleet.fault_log.records()}
     fault_time = min((r["time"] for r in fleet.fault_log.records()), default=time.time())
-    say(f"fault: XID 79 on {len(injected)} nodes")
+    injecting_s = max(r["time"] for r in fleet.fault_log.records()) - fault_time
+    say(f"fault: XID 79 on {len(injected)} nodes, injected over {injecting_s:.1f}s")
     visible_at = None
     deadline = fault_time + args.fault_timeout
     while time.time() < deadline:
@@ -202,7 +206,7 @@ def run(args: argparse.Namespace, url: str, admin_kubeconfig: Path, work: Path) 
         "p99_rps": p99(start_rps + fault_rps),
         "start_peak_rps": max(start_rps, default=0), "start_p99_rps": p99(start_rps),
         "fault_peak_rps": max(fault_rps, default=0), "fault_p99_rps": p99(fault_rps),
-        "fault_nodes": len(injected),
+        "fault_nodes": len(injected), "fault_injection_s": round(injecting_s, 2),
         "fault_visible_s": round(visible_at - fault_time, 2) if visible_at else None,
         "lost_conditions": lost, "duplicate_conditions": duplicate, "unexpected_conditions": unexpected,
         "steady_window_s": round(steady_s, 1), "qps_limit": args.qps,

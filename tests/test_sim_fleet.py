@@ -56,8 +56,7 @@ def fleet_on(emulator, tmp_path):
 
     def start(data: dict, **settings) -> Fleet:
         kubeconfig = emulator.write_kubeconfig(tmp_path / "sim.kubeconfig", user=SIMULATOR_USER)
-        api = KubeApi.from_kubeconfig(str(kubeconfig), qps=500.0, burst=500)
-        api.http = api.connection.pool(maxsize=4)
+        api = KubeApi.from_kubeconfig(str(kubeconfig), qps=500.0, burst=500, pool_size=4)
         registry = CheckRegistry.from_entry_points()
         ruleset = load_rules([builtin_rules_dir()], registry.fields_by_check())
         fleet = Fleet(fleet_from_dict(data), api, ruleset, registry,

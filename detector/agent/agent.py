@@ -105,9 +105,9 @@ class NodeAgent:
             return []
         return self.run(due)
 
-    def run(self, checks: Sequence[Check], progress: Callable[[str, str], None] | None = None) -> list[Problem]:
+    def run(self, checks: Sequence[Check]) -> list[Problem]:
         cached = self._cached_inventory(checks)
-        result = run_sweep(self.host, checks, self.settings.inventory_timeout_s, cached, progress)
+        result = run_sweep(self.host, checks, self.settings.inventory_timeout_s, cached)
         with self._judging:                   # sweeps of two lanes may finish at once
             return self._conclude(result, fresh_inventory=cached is None)
 

@@ -57,7 +57,7 @@ def add_simulate_parser(sub: Any) -> None:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
-    from detector.cli.main import UsageError, builtin_rules_dir, load_ruleset
+    from detector.cli.main import UsageError, load_ruleset
     from detector.core.check import CheckRegistry
     from detector.daemon.endpoints import Endpoints
     from detector.kube.api import ConfigError, KubeApi
@@ -85,10 +85,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         kubeconfig = args.kubeconfig
     metrics = FleetMetrics()
     try:
-        api = KubeApi.from_kubeconfig(str(kubeconfig) if kubeconfig else None, qps=args.qps, burst=args.burst)
+        api = KubeApi.from_kubeconfig(str(kubeconfig) if kubeconfig else None, qps=args.qps, burst=args.burst,
+                                      pool_size=args.workers)
     except (ConfigError, OSError, ValueError) as e:
         raise UsageError(f"cannot configure the Kubernetes client: {e}") from None
-    api.http = api.connection.pool(maxsize=args.workers)
     api.counts.listener = metrics.api_request
     settings = FleetSettings(workers=args.workers, start_spread_s=args.start_spread,
                              create_nodes=args.adopt is None, adopt_selector=args.adopt or "")

@@ -59,9 +59,10 @@ class RequestCounts:
 class KubeApi:
     def __init__(self, connection: Connection, qps: float = 5.0, burst: int = 10,
                  counts: RequestCounts | None = None, sleep: Callable[[float], None] = time.sleep,
-                 pool: urllib3.PoolManager | None = None):
+                 pool: urllib3.PoolManager | None = None, pool_size: int = 4):
+        """`pool_size`: connections kept open; the fleet simulator shares one client among its workers."""
         self.connection = connection
-        self.http = pool or connection.pool()
+        self.http = pool or connection.pool(pool_size)
         self.limiter = TokenBucket(qps, burst)
         self.counts = counts or RequestCounts()
         self._limiter_lock = threading.Lock()

@@ -144,7 +144,7 @@ class Fleet:
     def start(self, progress: Callable[[str], None] = lambda message: None) -> None:
         """Register (or adopt) every node, then start them spread over `start_spread_s`; faults follow
         the timeline from now."""
-        specs = self._bind_nodes(progress)
+        specs, adopted = self._bind_nodes(progress)
         scenarios = {s: load_scenario(s) for s in {spec.scenario for spec in specs}}
         for i, spec in enumerate(specs):
             fake = scenarios[spec.scenario].build(spec.name)
@@ -158,8 +158,8 @@ class Fleet:
         for i, node in enumerate(self.nodes.values()):
             self.scheduler.wake(node.checks_task, self.started_at + spread * i / max(len(self.nodes), 1))
         planned = plan_faults(self.spec, self.settings.horizon_s)
-        if self.settings.create_nodes is False:
-            planned = [replace(p, node=self._adopted.get(p.node, p.node)) for p in planned]
+        if adopted:
+            planned = [replace(p, node=adopted.get(p.node, p.node)) for p in planned]
         if planned:
             self.scheduler.wake(_FaultsTask(self, planned), self.started_at + planned[0].at_s)
         self.scheduler.start()
@@ -186,18 +186,17 @@ class Fleet:
 
     # -- building -------------------------------------------------------------------------------------
 
-    def _bind_nodes(self, progress: Callable[[str], None]) -> list[SimNodeSpec]:
-        self._adopted: dict[str, str] = {}
+    def _bind_nodes(self, progress: Callable[[str], None]) -> tuple[list[SimNodeSpec], dict[str, str]]:
+        """The nodes to play, and (when adopting) the fleet file's names -> the adopted nodes' names."""
         if self.settings.create_nodes:
-            return list(self.spec.nodes)
+            return list(self.spec.nodes), {}
         found = sorted(n["metadata"]["name"] for n in self.api.list_nodes(self.settings.adopt_selector))
         if len(found) < len(self.spec.nodes):
             log.warning("%d nodes match %r; the fleet file describes %d: simulating %d", len(found),
                         self.settings.adopt_selector, len(self.spec.nodes), len(found))
         bound = [replace(spec, name=name) for spec, name in zip(self.spec.nodes, found)]
-        self._adopted = {spec.name: name for spec, name in zip(self.spec.nodes, found)}
         progress(f"adopted {len(bound)} nodes matching {self.settings.adopt_selector!r}")
-        return bound
+        return bound, {spec.name: name for spec, name in zip(self.spec.nodes, found)}
 
     def _create(self, spec: SimNodeSpec, fake: FakeNode) -> None:
         gpus = fake.read(lambda state: [g.model.name for g in state.gpus])

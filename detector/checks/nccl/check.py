@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import shutil
 import tempfile
 import threading
 from contextlib import contextmanager
@@ -118,10 +119,11 @@ class NcclCheck(Check):
             if fake is None:
                 raise ProbeUnavailable("backend 'fake' needs a fake node (--nvml fake:SCENARIO)")
             return fake
-        from detector.checks.nccl.nccl_tests import NcclTestsBackend, find_all_reduce_perf
+        from detector.checks.nccl.nccl_tests import BINARY, NcclTestsBackend, find_all_reduce_perf
         from detector.checks.nccl.torch_backend import TorchBackend
 
-        if choice == "nccl-tests" or (choice == "auto" and (self.config["nccl_tests"] or _on_path())):
+        on_path = shutil.which(BINARY) is not None
+        if choice == "nccl-tests" or (choice == "auto" and (self.config["nccl_tests"] or on_path)):
             return NcclTestsBackend(find_all_reduce_perf(self.config["nccl_tests"] or None))
         transport = "gloo" if choice == "torch-gloo" else "nccl"
         torch = TorchBackend(transport)
@@ -166,12 +168,6 @@ def _summary(result: ProbeResult, fields: dict[str, Any]) -> str:
 
 def _gbps(value: float | None) -> str:
     return "-" if value is None else f"{value:.1f}"
-
-
-def _on_path() -> bool:
-    import shutil
-
-    return shutil.which("all_reduce_perf") is not None
 
 
 def _probe_fields(result: ProbeResult) -> dict[str, Any]:

@@ -13,7 +13,7 @@ from conftest import REPO, Clock, diagnose_host, node_for
 from detector.agent.agent import AgentSettings, NodeAgent
 from detector.agent.metrics import AgentMetrics
 from detector.checks.nccl import NcclCheck
-from detector.checks.nccl.probe import OK, ProbeRequest, ProbeResult
+from detector.checks.nccl.probe import ProbeRequest, ProbeResult
 from detector.checks.nccl.size import parse_size, show_size
 from detector.cli.main import builtin_rules_dir, main
 from detector.config import build_checks

@@ -3,7 +3,6 @@ killed at the deadline, and nothing it leaves behind surviving it."""
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 

@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import io
 import random
+from dataclasses import replace
 from datetime import datetime, timezone
 
 import pytest
 
-from detector.checks.xid.parser import BootBanner, KernelEvent, UuidMapping, parse_line, parse_message
+from detector.checks.xid.parser import UNVERIFIED, BootBanner, KernelEvent, UuidMapping, parse_line, parse_message
 from detector.checks.xid.scan import scan_stream
 
 YEAR = 2025
@@ -236,7 +237,10 @@ def test_trailing_newline_and_crlf_are_ignored(line, kind, code, bus, extra, mon
 def test_parse_message_matches_plain_line(mid, msg, kind, code, bus, extra):
     """journald / kmsg hand over the bare message; it must parse exactly like a plain line."""
     _check(parse_message(msg), kind, code, bus, extra)
-    assert parse_message(msg) == parse_line(msg)
+    want = parse_message(msg)
+    if isinstance(want, KernelEvent):
+        want = replace(want, origin=UNVERIFIED)      # a bare line proves nothing of its origin
+    assert parse_line(msg) == want
 
 
 # A few lines exactly as they were published, wrapper included.
@@ -319,8 +323,10 @@ def test_boot_banner():
 # --------------------------------------------------------------------------------------------------
 X79 = "NVRM: Xid (PCI:0000:01:00): 79, GPU has fallen off the bus."
 
-NOT_EVENTS = [
-    # user space writing / quoting an XID
+# A driver message that opens a wrapper which does not prove the kernel wrote it (another syslog tag,
+# a user-space facility): in a saved log it is an event marked `origin: unverified` (the user asked
+# for that log's analysis); the live path refuses it (tests/test_xid_check.py).
+UNVERIFIED_WRAPPERS = [
     ("syslog-user-program", f"Oct  6 17:59:27 gpu-node-7 myapp[123]: {X79}"),
     ("syslog-user-program-1space", f"Oct 6 17:59:27 gpu-node-7 myapp[123]: {X79}"),
     ("journal-user-unit", "Oct 06 17:59:27.123456 gpu-node-7 python3[4242]: NVRM: Xid (PCI:0000:3b:00): 48, "
@@ -331,6 +337,42 @@ NOT_EVENTS = [
     ("kmsg-daemon-facility", "30,56,123456,-;nvidia-nvswitch0: SXid (PCI:0000:0a:00.0): 24007, Fatal, "
      "Link 08 sourcetrack TCEN0 crumbstore ECC DBE Error"),
     ("dmesg-x-user-facility", f"user  :warn  : [  123.456789] {X79}"),
+]
+
+
+@pytest.mark.parametrize("line", [pytest.param(line, id=i) for i, line in UNVERIFIED_WRAPPERS])
+def test_unproven_wrapper_is_an_unverified_event(line):
+    ev = parse_line(line, year=YEAR)
+    assert isinstance(ev, KernelEvent) and ev.origin == UNVERIFIED
+
+
+@pytest.mark.parametrize("line, code, bus", [
+    ("NVRM: Xid (PCI:0000:zz:00): 79, GPU has fallen off the bus.", 79, ""),
+    ("NVRM: Xid (PCI:...): 79, GPU has fallen off the bus.", 79, ""),
+    ("NVRM: Xid ([...]): 48, An uncorrectable double bit error", 48, ""),
+    ("NVRM: Xid (PCI:0000:xx:00): 13, Graphics Exception", 13, ""),
+    ("NVRM: Xid (PCI:0000:01:00): 1079, a code nobody has published yet", 1079, "0000:01:00.0"),
+    ("[  123.456789] NVRM: Xid (PCI:0000:01:00): 79 GPU has fallen off the bus.", 79, "0000:01:00.0"),
+    ("NVRM: Xid (PCI:0000:01:00 GPU-I:05): 94, pid=7194, Contained: CE User Channel (0x9). RST: No", 94,
+     "0000:01:00.0"),
+    ("NVRM: Xid (PCI:0000:3b:00 GPU-I:01 GPU-CI:02): 13, pid=9, name=a, Graphics Exception", 13, "0000:3b:00.0"),
+])
+def test_odd_driver_lines_are_events_never_dropped(line, code, bus):
+    """Redacted bus ids give an event on an unknown GPU; MIG lines name the parent GPU."""
+    ev = parse_line(line)
+    assert isinstance(ev, KernelEvent) and (ev.code, ev.pci_bus_id) == (code, bus)
+
+
+def test_pid_without_name_and_name_without_pid():
+    a = parse_line("NVRM: Xid (PCI:0000:01:00 GPU-I:05): 94, pid=7194, Contained: CE User Channel (0x9).")
+    assert (a.pid, a.process_name, a.gpu_instance) == (7194, "", 5)
+    assert a.message.startswith("Contained")
+    b = parse_line("NVRM: Xid (PCI:0000:01:00): 31, name=python3, Ch 00000010")
+    assert (b.pid, b.process_name, b.message) == (None, "python3", "Ch 00000010")
+
+
+NOT_EVENTS = [
+    # user space writing / quoting an XID
     ("dmesg-user-tag", f"[  123.456789] myapp: {X79}"),
     ("shell-history-grep", '  501  dmesg -T | grep "NVRM: Xid (PCI:0000:01:00): 79,"'),
     ("shell-history-echo", f"echo '{X79}' > /dev/kmsg"),
@@ -344,14 +386,10 @@ NOT_EVENTS = [
      f'operation="open" comm="grep" name="{X79}"'),
     # malformed XID text
     ("xid-without-code", "NVRM: Xid (PCI:0000:01:00): GPU has fallen off the bus."),
-    ("bad-hex-bus", "NVRM: Xid (PCI:0000:zz:00): 79, GPU has fallen off the bus."),
     ("missing-colon-after-bus", "NVRM: Xid (PCI:0000:01:00) 79, GPU has fallen off the bus."),
     ("no-space-after-NVRM", "NVRM:Xid (PCI:0000:01:00): 79, GPU has fallen off the bus."),
-    ("4-digit-code", "NVRM: Xid (PCI:0000:01:00): 1079, GPU has fallen off the bus."),
     ("negative-code", "NVRM: Xid (PCI:0000:01:00): -1, GPU has fallen off the bus."),
-    ("no-comma-after-code", "[  123.456789] NVRM: Xid (PCI:0000:01:00): 79 GPU has fallen off the bus."),
     ("xid-mid-line", f"[  123.456789] nvidia-peermem nv_get_p2p_free_callback:127 ERROR after {X79}"),
-    ("6-digit-sxid", "nvidia-nvswitch0: SXid (PCI:0000:0a:00.0): 240071, Fatal, Link 08 crumbstore"),
     # other NVRM / NVIDIA / PCIe kernel lines
     ("nvrm-loading", "[    5.123456] NVRM: loading NVIDIA UNIX x86_64 Kernel Module  550.90.07  Fri May 31 "
      "09:35:42 UTC 2024"),
@@ -385,8 +423,9 @@ def test_look_alike_is_not_an_event(line):
     pytest.param(f"<12>[  123.456789] {X79}", id="dmesg-r-user-facility"),
     pytest.param(f"<14>{X79}", id="pri-user-facility"),
 ])
-def test_raw_pri_with_user_facility_is_not_an_event(line):
-    assert parse_line(line, year=YEAR) is None
+def test_raw_pri_with_user_facility_is_unverified(line):
+    ev = parse_line(line, year=YEAR)
+    assert isinstance(ev, KernelEvent) and ev.origin == UNVERIFIED
 
 
 def test_domain_above_ffff_is_an_event_with_the_full_domain():
@@ -435,7 +474,7 @@ def _corpus(seed: int = 7) -> tuple[list[str], int]:
 
 
 def _reference(data: bytes) -> tuple[list[tuple[int, object, str]], int]:
-    """What scanning `data` must give: parse_line on every line (banners aside), and the line count."""
+    """What scanning `data` must give: parse_line on every line, and the line count."""
     if not data:
         return [], 0
     lines = data.split(b"\n")
@@ -445,8 +484,7 @@ def _reference(data: bytes) -> tuple[list[tuple[int, object, str]], int]:
     for lineno, raw in enumerate(lines, 1):
         text = raw.decode("utf-8", "replace")
         parsed = parse_line(text, YEAR)
-        # scan.py looks only for NVRM / SXid: boot banners are not reported (see its NEEDLES comment)
-        if parsed is not None and not isinstance(parsed, BootBanner):
+        if parsed is not None:
             out.append((lineno, parsed, text))
     return out, len(lines)
 
@@ -517,9 +555,9 @@ def test_corpus_is_not_vacuous():
     data = _variant("lf")
     want, _ = _reference(data)
     _, positives = _corpus()
-    assert len(want) == positives
+    assert len([p for _, p, _ in want if not isinstance(p, BootBanner)]) == positives
     long_want, _ = _reference(_variant("long-lines"))
-    assert len(long_want) == positives + 1
+    assert len([p for _, p, _ in long_want if not isinstance(p, BootBanner)]) == positives + 1
     assert any(len(t) > 4096 for _, _, t in long_want)
     utf_want, _ = _reference(_variant("invalid-utf8"))
     assert any(getattr(p, "process_name", "") == "a\ufffdb" for _, p, _ in utf_want)
@@ -577,11 +615,14 @@ def test_scan_line_numbers_by_hand():
         assert stats.lines == 6
 
 
-def test_scan_skips_boot_banners_by_design():
-    """scan.py's NEEDLES are NVRM and SXid only: a banner parse_line would recognise is not reported."""
-    data = f"[    0.000000] Linux version 6.8.0-45-generic #45-Ubuntu SMP\n[  1.0] {X79}\n".encode()
+def test_scan_reports_boot_banners_and_journal_markers():
+    """Boots split a saved log, so the scanner finds banners and journalctl's boot markers too."""
+    data = (f"[    0.000000] Linux version 6.8.0-45-generic #45-Ubuntu SMP\n[  1.0] {X79}\n"
+            "-- Boot 0123456789abcdef0123456789abcdef --\n-- Reboot --\n-- No entries --\n").encode()
     got, _ = _scan(io.BytesIO(data), 4096)
-    assert [n for n, _, _ in got] == [2]
+    assert [(n, type(p).__name__) for n, p, _ in got] == [(1, "BootBanner"), (2, "KernelEvent"), (3, "BootBanner"),
+                                                       (4, "BootBanner")]
+    assert got[2][1].boot_id == "0123456789abcdef0123456789abcdef"
 
 
 @pytest.mark.parametrize("line, code, bus", [

@@ -51,7 +51,9 @@ class CheckSkipped(Exception):
 class CheckOutput:
     observations: list[Observation] = field(default_factory=list)
     result: dict[str, Any] | None = None      # a check-specific summary for reports
-    summary: str = ""                         # the result in one line for people (diagnose's table)
+    summary: str = ""                         # the result for people (diagnose's table)
+    error: str = ""                           # the run partly failed (an unreadable input): status error,
+                                              # the observations it did make still count
 
 
 class Check(ABC):

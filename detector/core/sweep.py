@@ -150,8 +150,8 @@ def _run_threaded(ctx: SweepContext, checks: Sequence[Check]) -> list[CheckRun]:
 
 
 def _finished(name: str, output: CheckOutput, duration_ms: float) -> CheckRun:
-    return CheckRun(name, "ok", duration_ms, result=output.result, observations=list(output.observations),
-                    summary=output.summary)
+    return CheckRun(name, "error" if output.error else "ok", duration_ms, output.error, result=output.result,
+                    observations=list(output.observations), summary=output.summary)
 
 
 def _no_progress(check: str, message: str) -> None:

@@ -53,21 +53,28 @@ class RuleEngine:
         return problems
 
     def _escalate(self, rule: Rule, hits: list[Observation]) -> Problem | None:
+        """Count incidents (an observation's `incidents`, 1 when it has none), each judged at its own
+        time: in a saved log, two incidents three days apart are not "twice in 24 h"."""
         history = self._history[rule.name]
         for obs in hits:
-            history.append((obs.time, _gpu_key(obs), int(obs.fields.get("count") or 1), str(obs.fields.get("boot", ""))))
+            history.append((obs.time, _gpu_key(obs), _incidents(obs), str(obs.fields.get("boot", ""))))
         firing: list[Observation] = []
         extra: dict[str, Any] = {}
         for obs in hits:
             key = _gpu_key(obs)
-            newest = max(t for t, k, _, _ in history if k == key)
-            since = newest - rule.window_s if rule.window_s is not None else float("-inf")
-            entries = [(c, b) for t, k, c, b in history if k == key and t >= since]
+            since = obs.time - rule.window_s if rule.window_s is not None else float("-inf")
+            entries = [(c, b) for t, k, c, b in history if k == key and since <= t <= obs.time and c > 0]
             matches, boots = sum(c for c, _ in entries), len({b for _, b in entries})
             if (rule.count is None or matches >= rule.count) and (rule.boots is None or boots >= rule.boots):
                 firing.append(obs)
-                extra = {"matches": matches, "boots_seen": boots}
+                if matches >= extra.get("matches", 0):
+                    extra = {"matches": matches, "boots_seen": boots}
         return rule.problem(firing, extra) if firing else None
+
+
+def _incidents(obs: Observation) -> int:
+    value = obs.fields.get("incidents", 1)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 1
 
 
 def _gpu_key(obs: Observation) -> Any:

@@ -1,23 +1,26 @@
 """The xid check: XID and NVSwitch SXid events from the kernel log and from NVML, as observations.
 
-One observation stands for a group of identical lines (same kind, code, GPU, fatality, recovery
-action and boot) with their `count`, so floods stay small. The kernel log is read incrementally by
-the daemon (a reader keeps its cursor), or scanned whole for a post-mortem (`kernel_log_file`).
+One observation stands for one incident (see `incidents`): identical lines close in time, with their
+`count`. The kernel log is read incrementally by the daemon (a reader keeps its cursor; a line must
+provably come from the kernel, since user space can write to syslog and /dev/kmsg), or scanned whole
+for a post-mortem (`kernel_log_file`: the user asked for that log's analysis, so every NVRM/SXid line
+counts, marked `origin: unverified` when its wrapper does not prove the kernel wrote it).
 """
 
 from __future__ import annotations
 
-import sys
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
+from datetime import datetime, timezone
 from typing import Any
 
-from detector.backends.kernlog.records import is_kernel
-from detector.checks.xid.aggregate import XidAggregator, gpu_for
+from detector.backends.kernlog.records import LogLine, is_kernel
+from detector.checks.xid.incidents import IncidentTracker, gpu_for
+from detector.checks.xid.logfiles import SavedLog, looks_like_kernel_log, read_head, saved_logs
 from detector.checks.xid.nvml_events import NvmlXidListener
-from detector.checks.xid.parser import BootBanner, KernelEvent, UuidMapping, parse_line
+from detector.checks.xid.parser import KERNEL, BootBanner, KernelEvent, UuidMapping, parse_line
 from detector.checks.xid.scan import scan_stream
+from detector.checks.xid.timeline import SavedLogTimeline
 from detector.core.check import Check, CheckOutput, ConfigField
 from detector.core.sweep import SweepContext
 from detector.core.types import GpuRef, Observation
@@ -25,37 +28,25 @@ from detector.core.types import GpuRef, Observation
 FIELDS = {
     "kind": "xid or sxid",
     "code": "the XID or SXid number",
-    "pci_bus_id": "bus id of the GPU (XID) or NVSwitch (SXid), 0000:bb:dd.f",
+    "pci_bus_id": "bus id of the GPU (XID) or NVSwitch (SXid), 0000:bb:dd.f; '' when the log redacted it",
     "fatal": "true/false when the line says Fatal/Nonfatal (XID 144-150, SXid), else null",
     "recovery_action": "XID 154: the action the driver asks for (NONE, RESET_GPU, RESTART_BM, DRAIN_P2P, "
                        "DRAIN_AND_RESET); '' otherwise",
     "message": "the rest of the first line after the code",
     "pid": "the process the driver named, or null",
     "process_name": "its name, '' when unknown",
-    "count": "how many identical lines this observation stands for",
+    "count": "how many lines this incident printed (identical lines close in time)",
+    "incidents": "1 when this observation is a new incident, 0 when it continues one or follows another "
+                 "XID (rules with count/window/boots add these up)",
+    "follows": "the XID this one is a companion of (154 after it, 45 'caused by previous Xid N', one "
+               "NVLink link's 144-150 set), else null",
     "source": "kernel, nvml or both",
     "boot": "the boot the lines came from (boot id, or boot-N for a saved log)",
     "line": "line number of the first such line in a log file, or null",
+    "origin": "kernel, or unverified: a saved log's line whose wrapper does not prove the kernel wrote it",
+    "gpu_instance": "MIG: the GPU instance (GPU-I) the driver named, else null",
 }
-
-
-@dataclass
-class _Boots:
-    """Which boot a line of a saved log belongs to: a new one after a boot banner, or when the
-    kernel's monotonic clock goes back."""
-
-    ordinal: int = 0
-    last_mono: float | None = None
-
-    def see(self, event: KernelEvent | BootBanner) -> str:
-        if isinstance(event, BootBanner):
-            self.ordinal += 1
-            self.last_mono = None
-        elif event.monotonic_s is not None:
-            if self.last_mono is not None and event.monotonic_s + 1.0 < self.last_mono:
-                self.ordinal += 1
-            self.last_mono = event.monotonic_s
-        return f"boot-{self.ordinal}"
+TABLE_EVENTS = 20          # kernel events listed in diagnose's table; JSON lists up to max_kernel_events
 
 
 @dataclass
@@ -83,10 +74,14 @@ class XidCheck(Check):
     description = "XID and NVSwitch SXid events from the kernel log and NVML events, deduplicated"
     fields = FIELDS
     config_fields = {
-        "kernel_log_file": ConfigField(str, "", "scan this saved log ('-': stdin) instead of the live kernel log"),
+        "kernel_log_file": ConfigField(str, "", "scan this saved log instead of the live kernel log: a file "
+                                                "(gzip/bzip2/xz too), a directory or glob of rotated pieces, "
+                                                "or '-' for stdin"),
         "nvml_events": ConfigField(bool, True, "also listen for NVML XID events"),
         "listen_s": ConfigField(float, 0.0, "wait this long for NVML XID events on each run"),
         "dedupe_window_s": ConfigField(float, 60.0, "an XID seen by both sources within this long counts once"),
+        "incident_gap_s": ConfigField(float, 60.0, "identical lines further apart than this are separate "
+                                                   "incidents"),
         "max_kernel_events": ConfigField(int, 10_000, "XID lines listed per run in the report (all are counted)"),
     }
     default_interval_s = 5.0
@@ -97,37 +92,40 @@ class XidCheck(Check):
         super().__init__(config)
         self._listener: NvmlXidListener | None = None
         self._recent = _Recent(self.config["dedupe_window_s"])
+        self._incidents = IncidentTracker(self.config["incident_gap_s"])
         self._uuids: dict[str, str] = {}          # bus id -> UUID, from `NVRM: GPU at ...` lines
-        self._boots = _Boots()
+        self._live_boots = SavedLogTimeline()     # boots of a live reader that knows no boot id
         self._file_done = False
 
     def run(self, ctx: SweepContext) -> CheckOutput:
         gpus = {g.pci_bus_id: g.ref() for g in ctx.inventory.gpus if g.pci_bus_id}
         self._uuids.update({g.pci_bus_id: g.uuid for g in ctx.inventory.gpus if g.pci_bus_id and g.uuid})
+        self._incidents.start_run()
         run = _Run(self, gpus)
         nvml_count = self._read_nvml(ctx, run)          # first: its listen window may let log lines land
-        source = self._read_kernel_log(ctx, run)
-        observations = [Observation(self.name, g.fields(), gpu_for(g.first.pci_bus_id, gpus, self._uuids),
-                                    g.last_time or time.time())
-                        for g in run.aggregator.groups.values()]
+        path = self.config["kernel_log_file"]
+        if path:
+            source, summary, error = self._read_saved(path, run) if not self._file_done else (path, "", "")
+            self._file_done = True
+        else:
+            source, summary, error = self._read_live(ctx, run), "", ""
+        now = time.time()
+        observations = [Observation(self.name, i.fields(), gpu_for(i.first.pci_bus_id, gpus, self._uuids),
+                                    i.first_time if i.first_time is not None else now)
+                        for i in self._incidents.groups]
         result = {
             "kernel_log": source, "lines_scanned": run.lines, "nvml_events": nvml_count,
             "kernel_events": run.events, "kernel_events_omitted": run.omitted,
-            "groups_overflow": run.aggregator.overflow,
+            "incidents": sum(o.fields["incidents"] for o in observations),
+            "groups_overflow": self._incidents.overflow, **run.saved,
         }
         if self._listener and self._listener.error:
             result["nvml_events_error"] = self._listener.error
-        return CheckOutput(observations, result)
+        return CheckOutput(observations, result, summary, error)
 
-    # -- sources ---------------------------------------------------------------------------------
+    # -- the live kernel log ---------------------------------------------------------------------
 
-    def _read_kernel_log(self, ctx: SweepContext, run: "_Run") -> str:
-        path = self.config["kernel_log_file"]
-        if path:
-            if not self._file_done:              # a saved log is read once, not re-reported each run
-                self._scan_file(path, run)
-                self._file_done = True
-            return "stdin" if path == "-" else path
+    def _read_live(self, ctx: SweepContext, run: "_Run") -> str:
         reader = ctx.host.kernel_log
         if reader is None:
             return "none"
@@ -136,25 +134,56 @@ class XidCheck(Check):
             if not is_kernel(line):
                 continue                         # written by a user-space program, not the kernel
             parsed = parse_line(line.text)
-            if parsed is None:
+            if parsed is None or not _proven_kernel(line, parsed):
                 continue
-            boot = "" if isinstance(parsed, UuidMapping) else (line.boot_id or self._boots.see(parsed))
-            run.take(parsed, line.lineno, boot, line.realtime, "kernel", line.seq)
+            if isinstance(parsed, UuidMapping):
+                self._uuids[parsed.pci_bus_id] = parsed.uuid
+                continue
+            boot = line.boot_id or self._live_boots.see(parsed)
+            if isinstance(parsed, KernelEvent):
+                run.take(parsed, line.lineno, boot, line.realtime or parsed.time, "kernel", seq=line.seq)
         return getattr(reader, "name", type(reader).__name__)
 
-    def _scan_file(self, path: str, run: "_Run") -> None:
-        def on_line(lineno: int, parsed: Any, text: str) -> None:
-            boot = "" if isinstance(parsed, UuidMapping) else self._boots.see(parsed)
-            run.take(parsed, lineno, boot, None, "kernel")
+    # -- a saved log (post-mortem) ---------------------------------------------------------------
 
-        if path == "-":
-            run.lines = scan_stream(sys.stdin.buffer, on_line).lines
-            return
+    def _read_saved(self, spec: str, run: "_Run") -> tuple[str, str, str]:
+        logs = saved_logs(spec)
+        timeline = SavedLogTimeline()
+        unrecognised, files = [], []
+        for log in logs:
+            lines, recognised = self._scan_one(log, timeline, run)
+            files.append({"name": log.name, "lines": lines, "recognised": recognised})
+            if not recognised:
+                unrecognised.append(log.name)
+        run.saved = {"files": files, "boots": timeline.boots, "times": timeline.describe_times(),
+                     "unverified_events": run.unverified}
+        name = logs[0].name if len(logs) == 1 else f"{spec} ({len(logs)} files)"
+        error = "; ".join(f"no kernel-log lines recognised in {n}" for n in unrecognised)
+        return name, _summary(name, run, timeline), error
+
+    def _scan_one(self, log: SavedLog, timeline: SavedLogTimeline, run: "_Run") -> tuple[int, bool]:
+        parsed_lines = 0
+
+        def on_line(lineno: int, parsed: Any, text: str) -> None:
+            nonlocal parsed_lines
+            parsed_lines += 1
+            if isinstance(parsed, UuidMapping):
+                self._uuids[parsed.pci_bus_id] = parsed.uuid
+                return
+            boot = timeline.see(parsed)
+            if isinstance(parsed, KernelEvent):
+                run.take(parsed, lineno, boot, timeline.judged_time(parsed), "kernel", file=log.name)
+
         try:
-            with Path(path).open("rb") as stream:
-                run.lines = scan_stream(stream, on_line).lines
-        except OSError as e:
-            raise OSError(f"cannot read kernel log {path}: {e.strerror or e}") from None
+            with log.open() as stream:
+                head = read_head(stream)
+                lines = scan_stream(stream, on_line).lines
+        except (OSError, EOFError, ValueError) as e:   # unreadable, or a corrupt compressed piece
+            raise OSError(f"cannot read kernel log {log.name}: {getattr(e, 'strerror', None) or e}") from None
+        run.lines += lines
+        return lines, parsed_lines > 0 or looks_like_kernel_log(head)
+
+    # -- NVML's event API ------------------------------------------------------------------------
 
     def _read_nvml(self, ctx: SweepContext, run: "_Run") -> int:
         if not self.config["nvml_events"] or ctx.inventory.nvml_error or ctx.host.nvml_init_error:
@@ -170,49 +199,89 @@ class XidCheck(Check):
         return len(events)
 
 
+def _proven_kernel(line: LogLine, parsed: Any) -> bool:
+    """Live lines: a source that knows the facility (kmsg, journald) has proven it; a log file's line
+    must carry a wrapper that says `kernel`."""
+    if line.priority is not None or not isinstance(parsed, (KernelEvent, UuidMapping)):
+        return True
+    if isinstance(parsed, UuidMapping):
+        return True                              # only names a GPU; it raises nothing
+    return parsed.origin == KERNEL
+
+
 class _Run:
     """What one run of the check gathers."""
 
     def __init__(self, check: XidCheck, gpus: dict[str, GpuRef]):
         self.check = check
         self.gpus = gpus
-        self.aggregator = XidAggregator()
         self.events: list[dict[str, Any]] = []
         self.omitted = 0
         self.lines = 0
+        self.unverified = 0
+        self.saved: dict[str, Any] = {}
 
-    def take(self, parsed: Any, lineno: int | None, boot: str, when: float | None, source: str,
-             seq: int | None = None) -> None:
-        if isinstance(parsed, UuidMapping):
-            self.check._uuids[parsed.pci_bus_id] = parsed.uuid
-            return
-        if isinstance(parsed, BootBanner):
-            return
-        event: KernelEvent = parsed
-        now = time.time()
-        when = event.time or when or now
+    def take(self, event: KernelEvent, lineno: int | None, boot: str, when: float | None, source: str,
+             seq: int | None = None, file: str | None = None) -> None:
         recent = self.check._recent
+        now = time.time()
         duplicate = recent.has_other(source, event.kind, event.code, event.pci_bus_id, now)
         recent.add(source, event.kind, event.code, event.pci_bus_id, now)
         if source == "kernel":
-            self._list(event, lineno, seq)
+            self._list(event, lineno, seq, boot, file)
+        incidents = self.check._incidents
         if duplicate:
-            group = self.aggregator.find(event.kind, event.code, event.pci_bus_id)
-            if group is not None:
-                group.sources.add(source)       # the same XID through the other source: count once
-                if source == "kernel":          # the kernel's line says more (message, process)
-                    group.first, group.line = event, lineno
-            return
-        self.aggregator.add(event, boot, lineno, source, when)
+            incident = incidents.find(event.kind, event.code, event.pci_bus_id)
+            if incident is not None:
+                incident.sources.add(source)       # the same XID through the other source: count once
+                if source == "kernel":             # the kernel's line says more (message, process)
+                    incident.first, incident.line = event, lineno
+                return
+        incidents.add(event, boot, when, lineno, file, source)
 
-    def _list(self, event: KernelEvent, lineno: int | None, seq: int | None) -> None:
+    def _list(self, event: KernelEvent, lineno: int | None, seq: int | None, boot: str, file: str | None) -> None:
+        if event.origin != KERNEL:
+            self.unverified += 1
         if len(self.events) >= self.check.config["max_kernel_events"]:
             self.omitted += 1
             return
         gpu = gpu_for(event.pci_bus_id, self.gpus, self.check._uuids)
-        self.events.append({
-            "kind": event.kind, "code": event.code, "pci_bus_id": event.pci_bus_id, "pid": event.pid,
+        entry = {
+            "kind": event.kind, "code": event.code, "pci_bus_id": event.pci_bus_id or None, "pid": event.pid,
             "process_name": event.process_name or None,
             "gpu": {"index": gpu.index, "uuid": gpu.uuid} if gpu.index is not None or gpu.uuid else None,
-            "line": lineno, "seq": seq,
-        })
+            "time": _rfc3339(event.time), "monotonic_s": event.monotonic_s, "boot": boot,
+            "origin": event.origin, "line": lineno, "seq": seq, "message": event.message,
+        }
+        if file is not None:
+            entry["file"] = file
+        if event.gpu_instance is not None:
+            entry["gpu_instance"] = event.gpu_instance
+        self.events.append(entry)
+
+
+def _rfc3339(t: float | None) -> str | None:
+    if t is None:
+        return None
+    return datetime.fromtimestamp(t, timezone.utc).isoformat(timespec="microseconds").replace("+00:00", "Z")
+
+
+def _summary(name: str, run: _Run, timeline: SavedLogTimeline) -> str:
+    """diagnose's table: what was read, boots, how times were judged, then the events themselves."""
+    total = len(run.events) + run.omitted
+    head = (f"{name}: {run.lines:,} lines, {timeline.boots} boot(s), {total:,} XID/SXid line(s)"
+            f"{f' ({run.unverified:,} of unverified origin)' if run.unverified else ''}; "
+            f"times: {timeline.describe_times()}")
+    rows = []
+    for e in run.events[:TABLE_EVENTS]:
+        when = e["time"] or (f"+{e['monotonic_s']:.6f}s" if e["monotonic_s"] is not None else "-")
+        gpu = e["gpu"] or {}
+        who = f"GPU {gpu['index']} " if gpu.get("index") is not None else ""
+        who += f"({e['pci_bus_id'] or 'bus id redacted'})"
+        mark = "  [unverified origin]" if e["origin"] != KERNEL else ""
+        rows.append(f"  {when}  {e['boot']}  line {e['line']}  {e['kind'].upper()} {e['code']}  {who}"
+                    f"{mark}  {e['message'][:100]}")
+    if total > TABLE_EVENTS:
+        rows.append(f"  ... {total - TABLE_EVENTS:,} more (-o json lists up to "
+                    f"{run.check.config['max_kernel_events']:,})")
+    return "\n".join([head, *rows])

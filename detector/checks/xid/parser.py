@@ -1,45 +1,52 @@
 """XID and NVSwitch SXid lines, in every driver format, inside every log wrapper.
 
-A kernel line reaches us wrapped: plain, `dmesg` (`[  123.456789] `), `dmesg -T`, syslog or journalctl
-(`Oct  6 17:59:27 host kernel: `), RFC 3339 syslog, or a /dev/kmsg record (`PRI,SEQ,USEC,-;`). The
-wrapper is peeled first and must say the line came from the kernel; the message must then *start*
-with `NVRM: ` or `nvidia-nvswitchN: `. So a user echoing an XID into syslog, a grep in a shell history
-or a container log quoting one is never an event.
+The wrapper is peeled first (`wrappers.peel`: times, origin); the message must then *start* with
+`NVRM: ` or `nvidia-nvswitchN: `, so a program quoting an XID inside its own text (a grep, a JSON log,
+an alert) is never an event. Whether a line whose wrapper does not prove kernel origin counts is the
+caller's choice: each event carries its `origin`.
+
+Driver formats read (open-gpu-kernel-modules prints `NVRM: Xid (PCI:%04x:%02x:%02x[ GPU-I:%02u
+GPU-CI:%02u]): %d, pid=%s, name=%s, %s`):
+
+    NVRM: Xid (PCI:0000:3b:00): 79, pid='<unknown>', name=<unknown>, GPU has fallen off the bus.
+    NVRM: Xid (PCI:0000:01:00 GPU-I:05): 94, pid=7194, Contained: CE User Channel (0x9). ...  (MIG)
+    NVRM: Xid (0000:03:00): 14, Channel 00000001                                  (old drivers)
+    NVRM: Xid (PCI:...): 79, ...   /  (PCI:0000:xx:00)  /  ([...])                (redacted: GPU unknown)
+    NVRM: GPU 0000:18:00.0: GPU has fallen off the bus.                           (XID 79 without an Xid)
+    NVRM: The NVIDIA GPU 0000:01:00.0 (PCI ID: 10de:1db4) installed in this system has
+          fallen off the bus and is not responding to commands.                 (older drivers: XID 79)
+    nvidia-nvswitch3: SXid (PCI:0000:05:00.0): 12028, Non-fatal, Link 32 egress non-posted PRIV error
+    NVRM: GPU at PCI:0000:06:00: GPU-604d7f6a-...                                 (bus id -> UUID)
 """
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass, replace
 from functools import lru_cache
-from dataclasses import dataclass
-from datetime import datetime, timezone
 
+from detector.checks.xid.wrappers import KERNEL, UNVERIFIED, peel
 from detector.core.pciaddr import normalize_bus_id
 
-
-_BUS = r"(?:PCI:)?(?P<bus>[0-9a-fA-F]{4,8}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2}(?:\.[0-7])?|[0-9a-fA-F]{2}:[0-9a-fA-F]{2}(?:\.[0-7])?)"
-_WRAPPER = re.compile(
-    r"^(?:<(?P<lpri>\d{1,3})>)?"                                                    # dmesg -r
-    r"(?:"
-    r"(?P<kpri>\d{1,4}),(?P<kseq>\d+),(?P<kusec>\d+),[^;]*;"                           # /dev/kmsg record
-    r"|(?:kern\s*:\s*\w+\s*:\s*)?(?P<itime>\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d,\d+[+-]\d\d:\d\d) "  # dmesg --time-format iso
-    r"|\[\s*(?P<mono>\d+\.\d+)\]\s(?:\[\s*[TC]\d+\]\s)?"                              # dmesg (with caller id)
-    r"|\[(?P<ctime>\w{3} \w{3} [ \d]\d \d\d:\d\d:\d\d \d{4})\]\s"                     # dmesg -T
-    r"|kern\s*:\s*\w+\s*:\s*(?:\[\s*(?P<xmono>\d+\.\d+)\]\s)?"                          # dmesg -x
-    r"|(?P<stime>\w{3} +\d{1,2} \d\d:\d\d:\d\d(?:\.\d+)?) \S+ kernel: ?(?:\[\s*(?P<smono>\d+\.\d+)\]\s)?"  # syslog
-    r"|(?P<rtime>\d{4}-\d\d-\d\d[T ]\d\d:\d\d:\d\d(?:[.,]\d+)?(?:Z|[+-]\d\d:?\d\d)?) \S+ kernel: ?"
-    r"(?:\[\s*(?P<rmono>\d+\.\d+)\]\s)?"                                              # RFC 3339 syslog
-    r")?"
-    r"(?P<msg>.*)$"
-)
-_XID = re.compile(r"^NVRM: Xid \(" + _BUS + r"\): (?P<code>\d{1,3}),(?: (?P<rest>.*))?$")
-_PID = re.compile(r"^pid=(?P<pid>'<unknown>'|\d+), name=(?P<name><unknown>|[^,]*), ?(?P<rest>.*)$")
+_BUS_TEXT = r"[0-9a-fA-F]{4,8}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2}(?:\.[0-7])?|[0-9a-fA-F]{2}:[0-9a-fA-F]{2}(?:\.[0-7])?"
+_BUS = rf"(?:PCI:)?(?P<bus>{_BUS_TEXT})"
+# Whatever stands in the parentheses: a bus id (maybe redacted), then MIG instance ids.
+_XID = re.compile(r"^NVRM: Xid \((?P<where>[^)]*)\):\s*(?P<code>\d{1,4})\b,?\s?(?P<rest>.*)$")
+_WHERE = re.compile(rf"^\s*(?:PCI:)?(?P<bus>{_BUS_TEXT})?(?P<tail>.*)$")
+_GPU_I = re.compile(r"GPU-I:\s*(?P<gi>\d+)(?:\s+GPU-CI:\s*(?P<ci>\d+))?")
+_PID = re.compile(r"^pid=(?P<pid>'?<unknown>'?|\d+),\s*")
+_NAME = re.compile(r"^name=(?P<name><unknown>|[^,]*),\s*")
 _FELL_OFF = re.compile(r"^NVRM: GPU (?:at )?" + _BUS + r":? (?:GPU )?has fallen off the bus")
-_SXID = re.compile(r"^nvidia-nvswitch(?P<switch>\d+): SXid \(" + _BUS + r"\): (?P<code>\d{1,5}),(?: (?P<rest>.*))?$")
+_FELL_OFF_OLD = re.compile(r"^NVRM: The NVIDIA GPU " + _BUS + r"\s.*has fallen off the bus")
+_SXID = re.compile(r"^nvidia-nvswitch(?P<switch>\d+): SXid \((?P<where>[^)]*)\):\s*(?P<code>\d{1,6}),?\s?"
+                   r"(?P<rest>.*)$")
 _UUID = re.compile(r"^NVRM: GPU at " + _BUS + r": (?P<uuid>GPU-[0-9a-fA-F-]{36})\s*$")
 _FATAL = re.compile(r"\b(Fatal|Non-?fatal|Nonfatal)\b", re.IGNORECASE)
 _RECOVERY = re.compile(r"GPU recovery action changed from 0x[0-9a-fA-F]+ \([^)]*\) to 0x[0-9a-fA-F]+ \((?P<to>[^)]*)\)")
 _SXID_DETAIL = re.compile(r"^(?:Severity \d+ Engine instance|Data \{)")
+_CAUSED_BY = re.compile(r"caused by previous Xid (?P<code>\d+)")
+_LINK = re.compile(r"\bLink (?P<link>\d+)\b")
+_JOURNAL_BOOT = re.compile(r"^-- (?:Boot (?P<id>[0-9a-f]{32}) --|Reboot --)")
 
 # XID 154's labels (NVIDIA's catalogue writes "GPU Reset Required", "Node Reboot Required", ...).
 RECOVERY_ACTIONS = {"none": "NONE", "gpu reset": "RESET_GPU", "gpu reset required": "RESET_GPU",
@@ -47,23 +54,38 @@ RECOVERY_ACTIONS = {"none": "NONE", "gpu reset": "RESET_GPU", "gpu reset require
                     "reboot": "RESTART_BM", "drain p2p": "DRAIN_P2P", "drain and reset": "DRAIN_AND_RESET"}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class KernelEvent:
     """One XID or SXid line, parsed."""
 
     kind: str                    # "xid" or "sxid"
     code: int
-    pci_bus_id: str              # 0000:3b:00.0
-    message: str                 # the rest of the line after the code (and pid/name)
+    pci_bus_id: str              # 0000:3b:00.0; "" when the log redacted it
+    message: str                 # the rest of the first line after the code (and pid/name)
     pid: int | None = None
     process_name: str = ""
     fatal: bool | None = None    # from "Fatal"/"Nonfatal" in the line (XID 144-150, SXid)
     recovery_action: str = ""    # XID 154: the action the driver now asks for
     time: float | None = None    # epoch seconds when the wrapper says; else None
     monotonic_s: float | None = None   # seconds since boot, when the wrapper says
+    origin: str = KERNEL         # KERNEL, or UNVERIFIED when the wrapper does not prove it
+    gpu_instance: int | None = None    # MIG: the GPU instance the driver attributed it to
+    boot_id: str | None = None   # journalctl -o json's _BOOT_ID
+
+    @property
+    def caused_by(self) -> int | None:
+        """XID 45 names the XID it cleans up after (`... caused by previous Xid 149`)."""
+        m = _CAUSED_BY.search(self.message) if self.code == 45 else None
+        return int(m["code"]) if m else None
+
+    @property
+    def link(self) -> int | None:
+        """The NVLink a 144-150 line names (`... Link 01 ...`)."""
+        m = _LINK.search(self.message)
+        return int(m["link"]) if m else None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class UuidMapping:
     """`NVRM: GPU at PCI:0000:06:00: GPU-604d...`: which UUID a bus id belongs to."""
 
@@ -71,33 +93,43 @@ class UuidMapping:
     uuid: str
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class BootBanner:
-    """`Linux version ...`: the kernel started; later lines belong to a new boot."""
+    """The kernel started (`Linux version ...`, `Command line: ...`, journalctl's `-- Boot ID --` and
+    `-- Reboot --`): later lines belong to a new boot."""
+
+    boot_id: str | None = None
+    time: float | None = None
 
 
-def parse_line(line: str, year: int | None = None) -> KernelEvent | UuidMapping | BootBanner | None:
-    """An XID/SXid event, a bus-id-to-UUID mapping, a boot banner, or None for every other line."""
-    if not ("NVRM: Xid" in line or "NVRM: GPU " in line or "SXid (" in line or "Linux version " in line):
+Parsed = KernelEvent | UuidMapping | BootBanner
+
+# A line holds one of these or it is nobody's business here (checked before any regex: most lines).
+_INTERESTING = ("NVRM: ", "SXid (", "Linux version ", "Command line: ", "-- Boot ", "-- Reboot --")
+
+
+def parse_line(line: str, year: int | None = None) -> Parsed | None:
+    """An XID/SXid event, a bus-id-to-UUID mapping, a boot banner, or None for every other line.
+    Events carry the wrapper's times and origin (`KERNEL` or `UNVERIFIED`)."""
+    if not ("NVRM: " in line or "SXid (" in line or "Linux version " in line or "Command line: " in line
+            or "-- " in line or "MESSAGE" in line):
         return None                       # (spelled out: a generator here costs a flood 10% more)
-    w = _WRAPPER.match(line.rstrip("\r\n"))
-    if w is None:
-        return None
-    kpri, lpri = w["kpri"], w["lpri"]
-    if (kpri is not None and int(kpri) >= 8) or (lpri is not None and int(lpri) >= 8):
-        return None                       # a facility other than the kernel's (0): written by user space
-    msg = w["msg"]
-    if msg.startswith("Linux version "):
-        return BootBanner()
+    if line.startswith("-- "):
+        m = _JOURNAL_BOOT.match(line)
+        return BootBanner(m["id"]) if m else None
+    w = peel(line, year)
+    msg = w.message
+    if msg.startswith(("Linux version ", "Command line: ")):
+        # A bare line may be the kernel's (journalctl -o cat); one another program tagged is not.
+        return BootBanner(w.boot_id, w.time) if w.origin == KERNEL or not w.wrapped else None
     if not msg.startswith(("NVRM: ", "nvidia-nvswitch")):
         return None
     event = _parse_message_cached(msg)
     if event is None or isinstance(event, UuidMapping):
         return event
-    mono = next((float(v) for v in (w["mono"], w["xmono"], w["smono"], w["rmono"]) if v), None)
-    if mono is None and w["kusec"]:
-        mono = int(w["kusec"]) / 1e6
-    return _with_time(event, _wall_time(w, year), mono)
+    if w.time is None and w.monotonic_s is None and w.origin == KERNEL and w.boot_id is None:
+        return event
+    return replace(event, time=w.time, monotonic_s=w.monotonic_s, origin=w.origin, boot_id=w.boot_id)
 
 
 @lru_cache(maxsize=1024)
@@ -109,32 +141,55 @@ def _parse_message_cached(msg: str) -> KernelEvent | UuidMapping | None:
 def parse_message(msg: str) -> KernelEvent | UuidMapping | None:
     """The kernel's message itself (no wrapper), as /dev/kmsg and journald deliver it."""
     if msg.startswith("NVRM: Xid"):
-        m = _XID.match(msg)
-        if not m:
-            return None
-        rest, pid, name = m["rest"] or "", None, ""
-        if p := _PID.match(rest):
-            pid = int(p["pid"]) if p["pid"].isdigit() else None
-            name = "" if p["name"] == "<unknown>" else p["name"]
-            rest = p["rest"]
-        code = int(m["code"])
-        fatal = _fatal(rest) if 144 <= code <= 150 else None
-        action = ""
-        if code == 154 and (r := _RECOVERY.search(rest)):
-            action = RECOVERY_ACTIONS.get(r["to"].strip().lower(), "INSPECT")
-        return KernelEvent("xid", code, normalize_bus_id(m["bus"]), rest.strip(), pid, name, fatal, action)
-    if msg.startswith("NVRM: GPU"):
-        if m := _FELL_OFF.match(msg):
+        return _parse_xid(msg)
+    if msg.startswith("NVRM: "):
+        if m := (_FELL_OFF.match(msg) or _FELL_OFF_OLD.match(msg)):
             return KernelEvent("xid", 79, normalize_bus_id(m["bus"]), "GPU has fallen off the bus.")
         if m := _UUID.match(msg):
             return UuidMapping(normalize_bus_id(m["bus"]), "GPU-" + m["uuid"][4:].lower())
         return None
     if "SXid" in msg and (m := _SXID.match(msg)):
-        rest = (m["rest"] or "").strip()
+        rest = m["rest"].strip()
         if _SXID_DETAIL.match(rest):
             return None           # a detail line of the SXid reported just before it, not a new event
-        return KernelEvent("sxid", int(m["code"]), normalize_bus_id(m["bus"]), rest, fatal=_fatal(rest))
+        bus, _ = _where(m["where"])
+        return KernelEvent("sxid", int(m["code"]), bus, rest, fatal=_fatal(rest))
     return None
+
+
+def _parse_xid(msg: str) -> KernelEvent | None:
+    m = _XID.match(msg)
+    if not m:
+        return None
+    bus, gpu_instance = _where(m["where"])
+    rest, pid, name = m["rest"], None, ""
+    if p := _PID.match(rest):
+        pid = int(p["pid"]) if p["pid"].isdigit() else None
+        rest = rest[p.end():]
+    if n := _NAME.match(rest):
+        name = "" if n["name"] == "<unknown>" else n["name"]
+        rest = rest[n.end():]
+    code = int(m["code"])
+    rest = rest.strip()
+    fatal = _fatal(rest) if 144 <= code <= 150 else None
+    action = ""
+    if code == 154 and (r := _RECOVERY.search(rest)):
+        action = RECOVERY_ACTIONS.get(r["to"].strip().lower(), "INSPECT")
+    return KernelEvent("xid", code, bus, rest, pid, name, fatal, action, gpu_instance=gpu_instance)
+
+
+def _where(text: str) -> tuple[str, int | None]:
+    """`PCI:0000:01:00 GPU-I:05` -> ("0000:01:00.0", 5). A redacted or unreadable bus id is "": the
+    event still counts, on an unknown GPU."""
+    m = _WHERE.match(text)
+    bus = ""
+    if m and m["bus"] and not m["tail"].startswith((":", "x", "X")):
+        try:
+            bus = normalize_bus_id(m["bus"])
+        except ValueError:
+            bus = ""
+    gi = _GPU_I.search(text)
+    return bus, int(gi["gi"]) if gi else None
 
 
 def _fatal(text: str) -> bool | None:
@@ -142,46 +197,5 @@ def _fatal(text: str) -> bool | None:
     return None if m is None else m.group(1).lower() == "fatal"
 
 
-def _wall_time(w: re.Match, year: int | None) -> float | None:
-    if w["rtime"] or w["itime"]:
-        return _iso_time(w["rtime"] or w["itime"])
-    if w["ctime"]:
-        return _ctime(w["ctime"])
-    if w["stime"]:
-        base, _, frac = w["stime"].partition(".")
-        second = _syslog_time(base, year or datetime.now(timezone.utc).year)
-        return None if second is None else second + (float("0." + frac) if frac else 0.0)
-    return None
-
-
-# Lines of one second share their stamp; floods repeat it thousands of times: parse each once.
-@lru_cache(maxsize=4096)
-def _iso_time(text: str) -> float | None:
-    try:
-        dt = datetime.fromisoformat(text.replace(",", ".").replace(" ", "T", 1))
-    except ValueError:
-        return None
-    return (dt if dt.tzinfo else dt.replace(tzinfo=timezone.utc)).timestamp()
-
-
-@lru_cache(maxsize=4096)
-def _ctime(text: str) -> float | None:
-    try:
-        return datetime.strptime(text, "%a %b %d %H:%M:%S %Y").replace(tzinfo=timezone.utc).timestamp()
-    except ValueError:
-        return None
-
-
-@lru_cache(maxsize=4096)
-def _syslog_time(base: str, year: int) -> float | None:
-    try:
-        return datetime.strptime(f"{year} {base}", "%Y %b %d %H:%M:%S").replace(tzinfo=timezone.utc).timestamp()
-    except ValueError:
-        return None
-
-
-def _with_time(e: KernelEvent, wall: float | None, mono: float | None) -> KernelEvent:
-    if wall is None and mono is None:
-        return e
-    return KernelEvent(e.kind, e.code, e.pci_bus_id, e.message, e.pid, e.process_name, e.fatal,
-                       e.recovery_action, wall, mono)
+__all__ = ["KERNEL", "UNVERIFIED", "BootBanner", "KernelEvent", "Parsed", "UuidMapping", "parse_line",
+           "parse_message", "RECOVERY_ACTIONS"]

@@ -1,8 +1,10 @@
 """Scan a whole kernel log (a saved file, stdin) at close to memory speed.
 
 Almost no line of a kernel log is an XID. Instead of a Python loop per line, the scanner reads big
-chunks and lets C-level `bytes.find` jump from one candidate (`NVRM`, `SXid`) to the
-next; only candidate lines are decoded and parsed, and line numbers come from `bytes.count`.
+chunks and finds the few candidate lines (`NVRM`, `SXid (`, boot banners, journal boot markers,
+journal JSON messages stored as byte arrays) in one pass with Hyperscan, a SIMD multi-pattern
+matcher; where Hyperscan cannot run (an unsupported CPU or platform) C-level `bytes.find` passes do
+the same, more slowly. Only candidate lines are decoded and parsed; line numbers come from `bytes.count`.
 """
 
 from __future__ import annotations
@@ -10,15 +12,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import BinaryIO, Callable
 
-from detector.checks.xid.parser import BootBanner, KernelEvent, UuidMapping, parse_line
+from detector.checks.xid.parser import Parsed, parse_line
 
-# Every XID, fallen-off-the-bus and UUID line holds NVRM; every NVSwitch line SXid. (Boot banners are
-# not searched for: a third pass costs a third more time; boots show as monotonic time going back.)
-NEEDLES = (b"NVRM", b"SXid (")
+# Every XID, fallen-off-the-bus and UUID line holds NVRM; every NVSwitch line `SXid (`; boots start
+# with the kernel's banner or, in journalctl's output, a marker line. A journal exported as JSON keeps
+# a message that is not clean UTF-8 as a byte array, which no text needle can see.
+NEEDLES = (b"NVRM", b"SXid (", b"Linux version ", b"Command line: ", b"-- Boot ", b"-- Reboot --",
+           b'"MESSAGE" : [', b'"MESSAGE":[')
 CHUNK = 1024 * 1024              # big enough that per-chunk overhead vanishes; small for RSS
 
-Parsed = KernelEvent | UuidMapping | BootBanner
 OnLine = Callable[[int, Parsed, str], None]          # (1-based line number, parsed, raw line)
+Finder = Callable[[bytearray, int], list[int]]       # (buffer, end) -> sorted starts of candidate lines
 
 
 @dataclass
@@ -26,10 +30,13 @@ class ScanStats:
     bytes: int = 0
     lines: int = 0
     candidates: int = 0
+    parsed: int = 0
 
 
-def scan_stream(stream: BinaryIO, on_line: OnLine, year: int | None = None, chunk_size: int = CHUNK) -> ScanStats:
-    """Call `on_line` for every XID/SXid/UUID line, in input order. Memory: one chunk plus one line."""
+def scan_stream(stream: BinaryIO, on_line: OnLine, year: int | None = None, chunk_size: int = CHUNK,
+                finder: Finder | None = None) -> ScanStats:
+    """Call `on_line` for every XID/SXid/UUID/boot line, in input order. Memory: one chunk plus one line."""
+    find = finder or best_finder()
     stats = ScanStats()
     buf = bytearray(chunk_size)
     view = memoryview(buf)
@@ -54,7 +61,7 @@ def scan_stream(stream: BinaryIO, on_line: OnLine, year: int | None = None, chun
             held = filled
             continue
         stats.bytes += end
-        lines_before = _scan_buffer(buf, end, lines_before, on_line, year, stats)
+        lines_before = _scan_buffer(buf, end, lines_before, on_line, year, stats, find)
         held = filled - end
         buf[:held] = buf[end:filled]
         if final:
@@ -70,17 +77,9 @@ def _read_into(stream: BinaryIO, view: memoryview, start: int) -> int:
 
 
 def _scan_buffer(buf: bytearray, end: int, lines_before: int, on_line: OnLine, year: int | None,
-                 stats: ScanStats) -> int:
-    starts = set()
-    for needle in NEEDLES:
-        pos = buf.find(needle, 0, end)
-        while pos != -1:
-            line_start = buf.rfind(b"\n", 0, pos) + 1
-            starts.add(line_start)
-            next_nl = buf.find(b"\n", pos, end)
-            pos = buf.find(needle, next_nl + 1, end)
+                 stats: ScanStats, find: Finder) -> int:
     counted_to, lineno = 0, lines_before
-    for line_start in sorted(starts):
+    for line_start in find(buf, end):
         lineno += buf.count(b"\n", counted_to, line_start)
         counted_to = line_start
         line_end = buf.find(b"\n", line_start, end)
@@ -88,5 +87,50 @@ def _scan_buffer(buf: bytearray, end: int, lines_before: int, on_line: OnLine, y
         text = buf[line_start:line_end].decode("utf-8", "replace")
         parsed = parse_line(text, year)
         if parsed is not None:
+            stats.parsed += 1
             on_line(lineno + 1, parsed, text)
     return lineno + buf.count(b"\n", counted_to, end)
+
+
+def find_passes(buf: bytearray, end: int) -> list[int]:
+    """One C-level `find` pass per needle: no dependency, a pass each."""
+    starts = set()
+    for needle in NEEDLES:
+        pos = buf.find(needle, 0, end)
+        while pos != -1:
+            starts.add(buf.rfind(b"\n", 0, pos) + 1)
+            pos = buf.find(needle, buf.find(b"\n", pos, end) + 1, end)
+    return sorted(starts)
+
+
+def hyperscan_finder() -> Finder | None:
+    """All needles in one SIMD pass; None where Hyperscan is not installed or cannot run here."""
+    try:
+        import hyperscan
+    except ImportError:
+        return None
+    try:
+        db = hyperscan.Database(mode=hyperscan.HS_MODE_BLOCK)
+        expressions = [n.replace(b"(", rb"\(").replace(b"[", rb"\[") for n in NEEDLES]
+        db.compile(expressions=expressions, ids=list(range(len(NEEDLES))), elements=len(NEEDLES),
+                   flags=[0] * len(NEEDLES))
+    except Exception:  # noqa: BLE001 - an unsupported CPU (no SSSE3) fails here: fall back
+        return None
+
+    def find(buf: bytearray, end: int) -> list[int]:
+        ends: list[int] = []
+        with memoryview(buf) as whole, whole[:end] as part:      # released before the buffer grows
+            db.scan(part, match_event_handler=lambda _id, _from, to, _flags, _ctx: ends.append(to))
+        starts: list[int] = []
+        for to in ends:                     # reported in order of their end offset
+            start = buf.rfind(b"\n", 0, to) + 1
+            if not starts or start > starts[-1]:
+                starts.append(start)
+        return starts
+
+    return find
+
+
+def best_finder() -> Finder:
+    """Hyperscan's one pass when it is available (a fresh database: not shared between threads)."""
+    return hyperscan_finder() or find_passes

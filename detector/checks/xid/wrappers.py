@@ -1,0 +1,188 @@
+"""Peel the wrapper a log tool put around a kernel message, and say what the wrapper proves.
+
+Kernel lines reach a saved log through many tools, each with its own prefix:
+
+    /dev/kmsg record         6,1234,5678901,-;MSG          (facility in PRI)
+    dmesg                    [  123.456789] MSG            (also [T1234] caller ids, <PRI> with -r)
+    dmesg -T                 [Mon Oct  6 17:59:27 2025] MSG
+    dmesg --time-format iso  2025-10-06T17:59:27,123456+00:00 MSG
+    dmesg -x (any of above)  kern  :err   : ...            (facility and level columns, padded)
+    syslog, journalctl       Oct  6 17:59:27 host kernel: MSG   (host optional; -o short-precise adds .usec)
+    RFC 3339 syslog          2025-10-06T17:59:27.123456+00:00 host kernel: MSG
+    journalctl -o short-iso  2025-10-06T17:59:27+0000 host kernel: MSG
+    journalctl -o short-monotonic  [  123.456789] host kernel: MSG
+    journalctl -o json       {"MESSAGE" : "MSG", "_TRANSPORT" : "kernel", ...}  (MESSAGE may be a byte array)
+    journalctl -o cat, bare  MSG,  kernel: MSG
+    Talos (talosctl dmesg)   172.20.0.2: kern:    info: [2021-11-04T17:01:20.123456789Z]: MSG
+
+`origin` is "kernel" when the wrapper proves the kernel wrote the line (a kernel facility, a syslog tag
+`kernel`, the kernel's own ring buffer as dmesg prints it), else "unverified" (a bare line, another
+syslog tag, a user-space facility). Whether an unverified line counts is the caller's choice: a saved
+log counts it and marks it; the live path does not.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from functools import lru_cache
+
+KERNEL, UNVERIFIED = "kernel", "unverified"
+
+_KMSG = re.compile(r"(?P<pri>\d{1,4}),(?P<seq>\d+),(?P<usec>\d+),[^;]*;")
+_PRI = re.compile(r"<(?P<pri>\d{1,3})>")
+_FACILITIES = r"kern|user|mail|daemon|auth|syslog|lpr|news|uucp|cron|authpriv|ftp|res[0-3]|local[0-7]"
+_LEVELS = r"emerg|alert|crit|err|warn|warning|notice|info|debug"
+_DMESG_X = re.compile(rf"(?P<fac>{_FACILITIES})\s*:\s*(?P<level>{_LEVELS})\s*:\s?")
+_TALOS = re.compile(rf"(?:\S+: )?(?P<fac>{_FACILITIES}):\s*(?P<level>{_LEVELS}):\s*\[(?P<iso>[^\]]+)\]:\s?")
+_ISO = r"\d{4}-\d\d-\d\d[T ]\d\d:\d\d:\d\d(?:[.,]\d+)?(?:Z|[+-]\d\d:?\d\d)?"
+_STAMP = re.compile(
+    r"(?:\[\s*(?P<mono>\d+\.\d+)\]"                                             # dmesg, short-monotonic
+    r"|\[(?P<ctime>[A-Z][a-z]{2} [A-Z][a-z]{2} [ \d]?\d \d\d:\d\d:\d\d \d{4})\]"   # dmesg -T
+    r"|(?P<bsd>[A-Z][a-z]{2} {1,2}\d{1,2} \d\d:\d\d:\d\d(?:\.\d+)?)"              # syslog, journalctl
+    rf"|(?P<iso>{_ISO}))"                                                       # RFC 3339, dmesg iso
+    r"\s+"
+)
+_CALLER = re.compile(r"\[\s*[TC]\d+\]\s")
+# `host tag[pid]: `; a host never holds ':' (so `kernel: NVRM: ...` is read as tag `kernel`).
+_TAG = re.compile(r"(?:(?P<host>[^\s:\[\]]+) )?(?P<tag>[^\s:\[\]]+)(?:\[\d+\])?: ")
+_INNER_MONO = re.compile(r"\[\s*(?P<mono>\d+\.\d+)\]\s(?:\[\s*[TC]\d+\]\s)?")
+# Words that start a kernel message and look like a `tag:` (`NVRM: Xid`, `Command line: ...`).
+_NOT_TAGS = ("NVRM", "nvidia-nvswitch", "line")
+
+
+@dataclass(frozen=True, slots=True)
+class Wrapped:
+    """A kernel message with what its wrapper said about it."""
+
+    message: str
+    origin: str                       # KERNEL or UNVERIFIED
+    time: float | None = None         # epoch seconds
+    monotonic_s: float | None = None  # seconds since boot
+    boot_id: str | None = None        # journalctl -o json's _BOOT_ID
+    wrapped: bool = False             # a known wrapper was recognised (not a bare line)
+
+
+def peel(line: str, year: int | None = None) -> Wrapped:
+    """The message inside `line`, its origin and its times. Never raises."""
+    line = line.rstrip("\r\n")
+    if line.startswith("{"):
+        return _peel_json(line) or Wrapped(line, UNVERIFIED)
+    if m := _KMSG.match(line):
+        kernel = int(m["pri"]) >> 3 == 0
+        return Wrapped(line[m.end():], KERNEL if kernel else UNVERIFIED, None, int(m["usec"]) / 1e6, wrapped=True)
+    pos, facility_kernel, wall_text, mono = 0, None, None, None
+    if m := _PRI.match(line):
+        facility_kernel, pos = int(m["pri"]) >> 3 == 0, m.end()
+    if m := _TALOS.match(line, pos):
+        return _finish(line, m.end(), m["fac"] == "kern", None, _iso_time(m["iso"]), None, True)
+    if m := _DMESG_X.match(line, pos):
+        facility_kernel, pos = m["fac"] == "kern", m.end()
+    ring_buffer = False                     # dmesg's own stamps: the kernel's ring buffer
+    if m := _STAMP.match(line, pos):
+        pos = m.end()
+        mono = float(m["mono"]) if m["mono"] else None
+        ring_buffer = bool(m["mono"] or m["ctime"] or m["iso"])
+        wall = _ctime(m["ctime"]) if m["ctime"] else _iso_time(m["iso"]) if m["iso"] else None
+        if m["bsd"]:
+            wall = _syslog_time(m["bsd"], year)
+        if c := _CALLER.match(line, pos):
+            pos = c.end()
+        tag_allowed = True
+    else:
+        wall, tag_allowed = None, line.startswith("kernel:", pos)
+    stamped = m is not None or facility_kernel is not None
+    tagged = False
+    if tag_allowed and (t := _TAG.match(line, pos)) and not t["tag"].startswith(_NOT_TAGS):
+        if m is not None and m["mono"] and not (t["host"] and (t["tag"] == "kernel" or "[" in t[0])):
+            pass                            # `[ 1.2] usb 1-1: ...`: dmesg's, not journalctl's `host tag:`
+        else:
+            pos, tagged = t.end(), True
+            ring_buffer = False
+            facility_kernel = t["tag"] == "kernel" if facility_kernel is None else facility_kernel
+            if i := _INNER_MONO.match(line, pos):
+                pos, mono = i.end(), float(i["mono"])
+    elif tag_allowed and t is not None and t["host"] is not None and t["tag"].startswith(_NOT_TAGS[:2]):
+        pos += len(t["host"]) + 1           # `Oct 6 17:59:27 host NVRM: ...`: a host, no tag
+        tagged = True
+    if facility_kernel is None:
+        facility_kernel = ring_buffer
+    return _finish(line, pos, facility_kernel, None, wall, mono, stamped or tagged)
+
+
+def _finish(line: str, pos: int, kernel: bool, boot_id: str | None, wall: float | None, mono: float | None,
+            wrapped: bool) -> Wrapped:
+    return Wrapped(line[pos:], KERNEL if kernel else UNVERIFIED, wall, mono, boot_id, wrapped)
+
+
+def _peel_json(line: str) -> Wrapped | None:
+    """`journalctl -o json`: journald's trusted `_TRANSPORT=kernel` proves the origin."""
+    try:
+        entry = json.loads(line)
+    except ValueError:
+        return None
+    if not isinstance(entry, dict) or "MESSAGE" not in entry:
+        return None
+    message = entry["MESSAGE"]
+    if isinstance(message, list):                     # not valid UTF-8, or control characters
+        try:
+            message = bytes(message).decode("utf-8", "replace")
+        except (TypeError, ValueError):
+            return None
+    if not isinstance(message, str):
+        return None
+    kernel = entry.get("_TRANSPORT") == "kernel"
+    wall = _micros(entry.get("__REALTIME_TIMESTAMP"))
+    mono = _micros(entry.get("__MONOTONIC_TIMESTAMP"))
+    boot = entry.get("_BOOT_ID") if isinstance(entry.get("_BOOT_ID"), str) else None
+    return Wrapped(message.rstrip("\n"), KERNEL if kernel else UNVERIFIED, wall, mono, boot, True)
+
+
+def _micros(value: object) -> float | None:
+    try:
+        return int(value) / 1e6 if value is not None else None
+    except (TypeError, ValueError):
+        return None
+
+
+# Lines of one second share their stamp; floods repeat it thousands of times: parse each once.
+@lru_cache(maxsize=4096)
+def _iso_time(text: str) -> float | None:
+    try:
+        dt = datetime.fromisoformat(text.replace(",", ".").replace(" ", "T", 1))
+    except ValueError:
+        return None
+    return (dt if dt.tzinfo else dt.replace(tzinfo=timezone.utc)).timestamp()
+
+
+@lru_cache(maxsize=4096)
+def _ctime(text: str) -> float | None:
+    """dmesg -T prints local time without a zone; it is read as UTC."""
+    try:
+        return datetime.strptime(" ".join(text.split()), "%a %b %d %H:%M:%S %Y").replace(
+            tzinfo=timezone.utc).timestamp()
+    except ValueError:
+        return None
+
+
+def _syslog_time(text: str, year: int | None) -> float | None:
+    base, _, frac = text.partition(".")
+    second = _syslog_second(" ".join(base.split()), year)
+    return None if second is None else second + (float("0." + frac) if frac else 0.0)
+
+
+@lru_cache(maxsize=4096)
+def _syslog_second(base: str, year: int | None) -> float | None:
+    """Syslog stamps have no year: `year`, or else the latest year that does not put the line in the
+    future (a December line read in January is last year's)."""
+    now = datetime.now(timezone.utc)
+    for y in ((year,) if year else (now.year, now.year - 1)):
+        try:
+            t = datetime.strptime(f"{y} {base}", "%Y %b %d %H:%M:%S").replace(tzinfo=timezone.utc)
+        except ValueError:
+            continue                  # Feb 29 in a year without one
+        if year or t.timestamp() <= now.timestamp() + 86400:
+            return t.timestamp()
+    return None

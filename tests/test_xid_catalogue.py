@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parent.parent
 XID_RULES = REPO / "rules" / "xid.yaml"
 
 XID_FIELDS = {"kind", "code", "pci_bus_id", "fatal", "recovery_action", "message", "pid", "process_name",
-              "count", "source", "boot", "line"}
+              "count", "source", "boot", "line", "incidents", "follows", "origin", "gpu_instance"}
 KNOWN_FIELDS = {"xid": XID_FIELDS | set(COMMON_FIELDS)}
 
 # NVIDIA's immediate-action bucket per code; workflow buckets resolved as the project decided
@@ -78,10 +78,12 @@ def codes_in(when: str) -> set[int]:
 
 
 def fields(code: int, kind: str = "xid", fatal: bool | None = None, recovery_action: str = "",
-           count: int = 1, boot: str = "boot-1", message: str = "the rest of the line") -> dict[str, Any]:
+           count: int = 1, boot: str = "boot-1", message: str = "the rest of the line",
+           incidents: int = 1) -> dict[str, Any]:
     return {"kind": kind, "code": code, "pci_bus_id": GPU.pci_bus_id, "fatal": fatal,
             "recovery_action": recovery_action, "message": message, "pid": 4242, "process_name": "python3",
-            "count": count, "source": "kernel", "boot": boot, "line": 17,
+            "count": count, "incidents": incidents, "follows": None, "origin": "kernel", "gpu_instance": None,
+            "source": "kernel", "boot": boot, "line": 17,
             "check": "xid", "check_status": "ok", "check_error": "", "duration_ms": 3.0}
 
 
@@ -264,8 +266,10 @@ def test_xid_13_or_31_twice_escalates_to_reset(ruleset):
     esc = next(p for p in problems if p.rule == "xid-application-errors-repeated")
     assert (esc.report, esc.severity.value, esc.action, esc.type) == ("condition", "warning", "RESET_GPU",
                                                                       "GpuXidError")
-    assert "xid-application-errors-repeated" in rules_of(evaluate(ruleset, fields(13, count=2)))
+    assert "xid-application-errors-repeated" in rules_of(evaluate(ruleset, fields(13), fields(13)))
     assert "xid-application-errors-repeated" not in rules_of(evaluate(ruleset, fields(13)))
+    # Repeats count incidents, not lines: one burst of two identical lines is one incident.
+    assert "xid-application-errors-repeated" not in rules_of(evaluate(ruleset, fields(13, count=2)))
 
 
 def test_reset_class_xid_in_two_boots_escalates_to_support(ruleset):
@@ -285,9 +289,12 @@ def test_nonfatal_nvlink5_does_not_escalate_across_boots(ruleset):
 
 
 def test_five_fatal_xids_in_a_day_escalate_to_support(ruleset):
-    esc = next(p for p in evaluate(ruleset, fields(48, count=5)) if p.rule == "xid-fatal-repeated")
+    esc = next(p for p in evaluate(ruleset, *[fields(48)] * 5) if p.rule == "xid-fatal-repeated")
     assert (esc.report, esc.severity.value, esc.action) == ("condition", "critical", "CONTACT_SUPPORT")
-    mixed = evaluate(ruleset, fields(48, count=2), fields(95, count=2), fields(144, fatal=True))
+    mixed = evaluate(ruleset, fields(48), fields(48), fields(95), fields(95), fields(144, fatal=True))
     assert "xid-fatal-repeated" in rules_of(mixed)
-    assert "xid-fatal-repeated" not in rules_of(evaluate(ruleset, fields(48, count=4)))
-    assert "xid-fatal-repeated" not in rules_of(evaluate(ruleset, fields(13, count=5)))
+    assert "xid-fatal-repeated" not in rules_of(evaluate(ruleset, *[fields(48)] * 4))
+    assert "xid-fatal-repeated" not in rules_of(evaluate(ruleset, *[fields(13)] * 5))
+    # A flood is one incident however many lines it printed; a companion line (incidents 0) adds none.
+    assert "xid-fatal-repeated" not in rules_of(evaluate(ruleset, fields(48, count=800_000)))
+    assert "xid-fatal-repeated" not in rules_of(evaluate(ruleset, *[fields(48)] * 4, fields(95, incidents=0)))

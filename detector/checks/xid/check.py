@@ -16,7 +16,7 @@ from typing import Any
 
 from detector.backends.kernlog.records import LogLine, is_kernel
 from detector.checks.xid.incidents import IncidentTracker, gpu_for
-from detector.checks.xid.logfiles import SavedLog, looks_like_kernel_log, read_head, saved_logs
+from detector.checks.xid.logfiles import LogNotFound, SavedLog, looks_like_kernel_log, read_head, saved_logs
 from detector.checks.xid.nvml_events import NvmlXidListener
 from detector.checks.xid.parser import KERNEL, BootBanner, KernelEvent, UuidMapping, parse_line
 from detector.checks.xid.scan import scan_stream
@@ -147,7 +147,10 @@ class XidCheck(Check):
     # -- a saved log (post-mortem) ---------------------------------------------------------------
 
     def _read_saved(self, spec: str, run: "_Run") -> tuple[str, str, str]:
-        logs = saved_logs(spec)
+        try:
+            logs = saved_logs(spec)
+        except LogNotFound as e:
+            raise OSError(f"cannot read kernel log {e}") from None
         timeline = SavedLogTimeline()
         unrecognised, files = [], []
         for log in logs:
@@ -232,11 +235,11 @@ class _Run:
         incidents = self.check._incidents
         if duplicate:
             incident = incidents.find(event.kind, event.code, event.pci_bus_id)
-            if incident is not None:
+            if incident is not None:               # (else an earlier run reported it already)
                 incident.sources.add(source)       # the same XID through the other source: count once
                 if source == "kernel":             # the kernel's line says more (message, process)
                     incident.first, incident.line = event, lineno
-                return
+            return
         incidents.add(event, boot, when, lineno, file, source)
 
     def _list(self, event: KernelEvent, lineno: int | None, seq: int | None, boot: str, file: str | None) -> None:

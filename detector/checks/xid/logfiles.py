@@ -109,7 +109,13 @@ class _Peekable:
         return self._stream.read(n)
 
     def close(self) -> None:
-        pass
+        pass                                   # stdin is not ours to close
+
+    def __enter__(self) -> "_Peekable":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def read_head(stream: BinaryIO) -> bytes:

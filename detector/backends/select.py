@@ -12,23 +12,29 @@ from detector.backends.smi import SubprocessSmi
 from detector.core.sweep import Host
 
 
+NO_DRIVER = "LibraryNotFound"     # nvmlInit's error on a machine without the NVIDIA driver
+
+
 class BackendError(Exception):
     """The chosen backend cannot be used at all (as opposed to a GPU problem it reports)."""
 
 
 def open_host(spec: str, *, node_name: str | None = None, sysfs_root: Path | None = None,
-              nvidia_smi: str | None = None, kernel_cursor: Path | None = None) -> Host:
-    """`kernel_cursor`: where the kernel-log reader keeps its place across restarts (the daemon's)."""
+              nvidia_smi: str | None = None, kernel_cursor: Path | None = None, post_mortem: bool = False) -> Host:
+    """`kernel_cursor`: where the kernel-log reader keeps its place across restarts (the daemon's).
+    `post_mortem`: only a saved log will be read, so a machine without an NVIDIA driver will do and
+    the live kernel log is not opened."""
     kind, _, arg = spec.partition(":")
     if kind == "real" and not arg:
         return _real_host(node_name or socket.gethostname(), sysfs_root or Path("/sys"), nvidia_smi or "nvidia-smi",
-                          kernel_cursor)
+                          kernel_cursor, post_mortem)
     if kind == "fake" and arg:
         return _fake_host(arg, node_name, sysfs_root, nvidia_smi, kernel_cursor)
     raise BackendError(f"--nvml {spec!r}: expected 'real', 'fake:SCENARIO' or 'fake:PATH.yaml'")
 
 
-def _real_host(node_name: str, sysfs_root: Path, nvidia_smi: str, kernel_cursor: Path | None) -> Host:
+def _real_host(node_name: str, sysfs_root: Path, nvidia_smi: str, kernel_cursor: Path | None,
+               post_mortem: bool = False) -> Host:
     import pynvml
 
     from detector.core.inventory import nvml_error_name
@@ -37,12 +43,18 @@ def _real_host(node_name: str, sysfs_root: Path, nvidia_smi: str, kernel_cursor:
     try:
         pynvml.nvmlInit()
     except pynvml.NVMLError_LibraryNotFound:
-        raise BackendError("NVML library libnvidia-ml.so.1 not found: no NVIDIA driver is installed here "
-                           "(to try gpu-npd without GPUs, use --nvml fake:h100-sxm-8)") from None
+        if not post_mortem:
+            raise BackendError("NVML library libnvidia-ml.so.1 not found: no NVIDIA driver is installed here "
+                               "(to try gpu-npd without GPUs, use --nvml fake:h100-sxm-8; to read a saved log, "
+                               "--checks xid --kernel-log FILE)") from None
+        init_error = NO_DRIVER
     except pynvml.NVMLError as e:
         # The library is there but unusable (driver not loaded, version mismatch): that is a node finding.
         init_error = nvml_error_name(e)
-    boot_id, kernel_log = live_kernel_log(cursor_file=kernel_cursor)
+    if post_mortem:
+        boot_id, kernel_log = "current", None
+    else:
+        boot_id, kernel_log = live_kernel_log(cursor_file=kernel_cursor)
     return Host(node_name, pynvml, SubprocessSmi([nvidia_smi]), SysfsPciBus(sysfs_root),
                 nvml_init_error=init_error, kernel_log=kernel_log, boot_id=boot_id,
                 close=_shutdown(pynvml) if init_error is None else (lambda: None))

@@ -15,6 +15,7 @@ from typing import Sequence
 
 from detector import __version__
 from detector.backends.select import BackendError, open_host
+from detector.checks.xid.logfiles import LogNotFound, saved_logs
 from detector.cli.render import Diagnosis, render_table
 from detector.config import build_checks, load_check_settings
 from detector.core.check import CheckRegistry
@@ -93,8 +94,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--expect-gpus", type=int, metavar="N",
                    help="GPUs this node must have (default: as many as are on the PCI bus)")
     d.add_argument("--kernel-log", metavar="FILE",
-                   help="post-mortem: scan this saved kernel log (dmesg, syslog, journalctl or kmsg format; "
-                        "'-' reads stdin) instead of the live one")
+                   help="post-mortem: scan this saved kernel log instead of the live one: a file (dmesg in any "
+                        "mode, syslog, journalctl short/iso/precise/monotonic/json/cat, kmsg, Talos; gzip, bzip2 "
+                        "or xz), a directory or quoted glob of rotated pieces (read oldest first), or '-' for "
+                        "stdin. Runs only the xid check unless --checks says otherwise; needs no NVIDIA driver")
     d.add_argument("-o", "--output", choices=("table", "json"), default="table", help="default: table")
     d.add_argument("--node-name", default=os.environ.get("NODE_NAME"), help="default: $NODE_NAME or hostname")
     d.add_argument("--sysfs-root", type=Path, metavar="DIR", help="read the PCI bus under DIR (default: /sys)")
@@ -154,18 +157,23 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
         if args.expect_gpus < 1:
             raise UsageError("--expect-gpus must be at least 1")
         overrides["visibility"] = {"expected_gpus": args.expect_gpus}
-    if args.kernel_log:
-        if args.kernel_log != "-" and not Path(args.kernel_log).is_file():
-            raise UsageError(f"--kernel-log {args.kernel_log}: no such file")
-        overrides["xid"] = {"kernel_log_file": args.kernel_log}
     selected = args.checks
+    if args.kernel_log:
+        try:
+            saved_logs(args.kernel_log)
+        except LogNotFound as e:
+            raise UsageError(f"--kernel-log {e}") from None
+        overrides["xid"] = {"kernel_log_file": args.kernel_log}
+        selected = selected or "xid"           # a saved log's analysis, not this node's live state
     if args.nccl_tests or args.nccl_size:
         selected = selected or "nccl"
         if "nccl" not in [n.strip() for n in selected.split(",")]:
             raise UsageError("--nccl-tests and --nccl-size configure the nccl check, which --checks leaves out")
         overrides["nccl"] = _nccl_overrides(args)
     checks = load_selected_checks(registry, selected, args.config, overrides)
-    host = open_host(args.nvml, node_name=args.node_name, sysfs_root=args.sysfs_root, nvidia_smi=args.nvidia_smi)
+    post_mortem = bool(args.kernel_log) and [c.name for c in checks] == ["xid"]
+    host = open_host(args.nvml, node_name=args.node_name, sysfs_root=args.sysfs_root, nvidia_smi=args.nvidia_smi,
+                     post_mortem=post_mortem)
     try:
         sweep = run_sweep(host, checks, inventory_timeout_s=args.inventory_timeout,
                           progress=None if args.quiet else _show_progress)

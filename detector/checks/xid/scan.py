@@ -18,7 +18,7 @@ from detector.checks.xid.parser import Parsed, parse_line
 # with the kernel's banner or, in journalctl's output, a marker line. A journal exported as JSON keeps
 # a message that is not clean UTF-8 as a byte array, which no text needle can see.
 NEEDLES = (b"NVRM", b"SXid (", b"Linux version ", b"Command line: ", b"-- Boot ", b"-- Reboot --",
-           b'"MESSAGE" : [', b'"MESSAGE":[')
+           b'"MESSAGE" : [', b'"MESSAGE": [', b'"MESSAGE":[')
 CHUNK = 1024 * 1024              # big enough that per-chunk overhead vanishes; small for RSS
 
 OnLine = Callable[[int, Parsed, str], None]          # (1-based line number, parsed, raw line)

@@ -10,6 +10,8 @@ how many problems they become. The last line printed is a JSON object of the fig
     .venv/bin/python bench/scan_kernel_log.py                 # 1 GiB, 0.01% XID lines
     .venv/bin/python bench/scan_kernel_log.py --flood         # plus 800,000 XID 95 lines
     .venv/bin/python bench/scan_kernel_log.py --size-mib 128  # quicker
+    .venv/bin/python bench/scan_kernel_log.py --format json   # journalctl -o json (also journal-iso,
+                                                              # dmesg-x, talos)
 """
 
 from __future__ import annotations
@@ -52,8 +54,28 @@ BUSES = ["18", "2a", "3a", "5d", "9a", "ab", "ba", "db"]
 FLOOD_LINE = "NVRM: Xid (PCI:0000:5d:00): 95, pid=4242, name=python3, Uncontained: FBHUB. RST: Yes, D-RST: No"
 
 
-def generate(path: Path, size: int, xid_rate: float, flood: int, seed: int = 7) -> tuple[int, int]:
-    """Write a syslog-format kernel log of about `size` bytes; return (lines, XID lines)."""
+def _iso(t: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(t)) + f".{int(t % 1 * 1e6):06d}+0000"
+
+
+# How each tool wraps a kernel line: (wall time, seconds since boot, message) -> line.
+FORMATS = {
+    "syslog": lambda t, mono, msg: f"{time.strftime('%b %e %H:%M:%S', time.gmtime(t))} gpu-node-17 kernel: "
+                                   f"[{mono:12.6f}] {msg}\n",
+    "journal-iso": lambda t, mono, msg: f"{_iso(t)} gpu-node-17 kernel: {msg}\n",
+    "dmesg-x": lambda t, mono, msg: f"kern  :info  : [{mono:12.6f}] {msg}\n",
+    "talos": lambda t, mono, msg: f"172.20.0.2: kern:    info: [{_iso(t)}]: {msg}\n",
+    "json": lambda t, mono, msg: json.dumps({"__REALTIME_TIMESTAMP": str(int(t * 1e6)),
+                                             "__MONOTONIC_TIMESTAMP": str(int(mono * 1e6)),
+                                             "_BOOT_ID": "0d1c6bd9f1b14d7a8d8f2b5c3e4a5b6c",
+                                             "_TRANSPORT": "kernel", "SYSLOG_IDENTIFIER": "kernel",
+                                             "MESSAGE": msg}) + "\n",
+}
+
+
+def generate(path: Path, size: int, xid_rate: float, flood: int, seed: int = 7,
+             fmt: str = "syslog") -> tuple[int, int]:
+    """Write a kernel log of about `size` bytes in format `fmt`; return (lines, XID lines)."""
     rng = random.Random(seed)
     lines = xids = 0
     t0 = 1763700000.0                        # wall clock of the first line
@@ -65,7 +87,6 @@ def generate(path: Path, size: int, xid_rate: float, flood: int, seed: int = 7) 
         batch: list[str] = []
         while written < size:
             mono += rng.random() * 0.01
-            stamp = time.strftime("%b %e %H:%M:%S", time.gmtime(t0 + mono))
             r = rng.randrange(1, 60000)
             if flood_every and lines % flood_every == 0 and xids < flood:
                 msg = FLOOD_LINE
@@ -75,7 +96,7 @@ def generate(path: Path, size: int, xid_rate: float, flood: int, seed: int = 7) 
                 xids += 1
             else:
                 msg = rng.choice(NOISE).format(r=r, t=int(t0 + mono))
-            line = f"{stamp} gpu-node-17 kernel: [{mono:12.6f}] {msg}\n"
+            line = FORMATS[fmt](t0 + mono, mono, msg)
             batch.append(line)
             written += len(line)
             lines += 1
@@ -129,6 +150,8 @@ def main() -> int:
     parser.add_argument("--size-mib", type=int, default=1024, help="size of the generated log (default 1024)")
     parser.add_argument("--flood", action="store_true", help="add 800,000 repeats of one XID 95 line")
     parser.add_argument("--flood-lines", type=int, default=800_000)
+    parser.add_argument("--format", choices=sorted(FORMATS), default="syslog",
+                        help="how the lines are wrapped (default syslog, with the kernel's own timestamps)")
     parser.add_argument("--dir", type=Path, help="where to write the log (default: a temporary directory)")
     parser.add_argument("--keep", action="store_true", help="keep the generated log")
     args = parser.parse_args()
@@ -142,7 +165,7 @@ def main() -> int:
     try:
         print(f"generating {args.size_mib} MiB kernel log at {path} ...", flush=True)
         t = time.perf_counter()
-        lines, xids = generate(path, size, 0.0001, args.flood_lines if args.flood else 0)
+        lines, xids = generate(path, size, 0.0001, args.flood_lines if args.flood else 0, fmt=args.format)
         actual = path.stat().st_size
         print(f"  {lines:,} lines, {xids:,} XID/SXid lines, {actual / 2**20:.0f} MiB in {time.perf_counter() - t:.1f}s")
         subprocess.run(["cat", str(path)], stdout=subprocess.DEVNULL, check=True)       # warm the page cache
@@ -150,7 +173,7 @@ def main() -> int:
         scan_s, rss, report = run_diagnose(path)
         result = report["checks"][0]["result"]
         figures = {
-            "size_mib": round(actual / 2**20, 1), "lines": result["lines_scanned"], "xid_lines": xids,
+            "format": args.format, "size_mib": round(actual / 2**20, 1), "lines": result["lines_scanned"], "xid_lines": xids,
             "kernel_events_listed": len(result["kernel_events"]),
             "kernel_events_omitted": result["kernel_events_omitted"],
             "scan_s": round(scan_s, 3), "grep_s": round(grep_s, 3),

@@ -203,3 +203,31 @@ def test_cli_refuses_a_missing_kernel_log_file(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "detector.cli.main", "diagnose", "--nvml", "fake:h100-sxm-8",
                            "--kernel-log", str(tmp_path / "nope.log")], capture_output=True, text=True, cwd=REPO)
     assert proc.returncode == 2 and "no such file" in proc.stderr
+
+
+class _LogFileLines:
+    """A live reader of a log file: lines with their wrapper, no facility (as LogFileReader gives them)."""
+
+    name = "kern.log"
+
+    def __init__(self, texts: list[str]):
+        from detector.backends.kernlog.records import LogLine
+        self._lines = [LogLine(t, lineno=i) for i, t in enumerate(texts, 1)]
+
+    def read_available(self):
+        lines, self._lines = self._lines, []
+        return lines
+
+
+def test_live_log_file_counts_only_lines_the_kernel_provably_wrote(registry):
+    """Live, user space can write to syslog: only a `kernel:` tag (or a kmsg/journald facility) counts.
+    The same lines in a saved log would all count, the first marked unverified."""
+    host = fake_host(node_for("h100-sxm-8"))
+    host.kernel_log = _LogFileLines([
+        "Oct  6 17:59:27 gpu-node-7 myapp[42]: NVRM: Xid (PCI:0000:5d:00): 79, GPU has fallen off the bus.",
+        "NVRM: Xid (PCI:0000:2a:00): 48, pid=1, name=x, DBE",
+        "Oct  6 17:59:28 gpu-node-7 kernel: NVRM: Xid (PCI:0000:9a:00): 13, pid=1, name=x, Graphics Exception",
+    ])
+    out = diagnose_host(host, registry, checks=["xid"], settings={"xid": {"nvml_events": False}})
+    assert [(o.fields["code"], o.gpu.index, o.fields["origin"]) for o in out.sweep.runs[0].observations] == [
+        (13, 4, "kernel")]

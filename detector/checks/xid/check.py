@@ -10,7 +10,7 @@ counts, marked `origin: unverified` when its wrapper does not prove the kernel w
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from typing import Any
 
@@ -18,7 +18,7 @@ from detector.backends.kernlog.records import LogLine, is_kernel
 from detector.checks.xid.incidents import IncidentTracker, gpu_for
 from detector.checks.xid.logfiles import LogNotFound, SavedLog, looks_like_kernel_log, read_head, saved_logs
 from detector.checks.xid.nvml_events import NvmlXidListener
-from detector.checks.xid.parser import KERNEL, BootBanner, KernelEvent, UuidMapping, parse_line
+from detector.checks.xid.parser import KERNEL, KernelEvent, SplitStart, UuidMapping, parse_line
 from detector.checks.xid.scan import scan_stream
 from detector.checks.xid.timeline import SavedLogTimeline
 from detector.core.check import Check, CheckOutput, ConfigField
@@ -139,6 +139,8 @@ class XidCheck(Check):
             if isinstance(parsed, UuidMapping):
                 self._uuids[parsed.pci_bus_id] = parsed.uuid
                 continue
+            if isinstance(parsed, SplitStart):
+                continue                         # kmsg and journald deliver split messages whole
             boot = line.boot_id or self._live_boots.see(parsed)
             if isinstance(parsed, KernelEvent):
                 run.take(parsed, line.lineno, boot, line.realtime or parsed.time, "kernel", seq=line.seq)
@@ -166,13 +168,21 @@ class XidCheck(Check):
 
     def _scan_one(self, log: SavedLog, timeline: SavedLogTimeline, run: "_Run") -> tuple[int, bool]:
         parsed_lines = 0
+        split: SplitStart | None = None          # a split message's first line, and where it was
+        split_line = 0
 
         def on_line(lineno: int, parsed: Any, text: str) -> None:
-            nonlocal parsed_lines
+            nonlocal parsed_lines, split, split_line
             parsed_lines += 1
             if isinstance(parsed, UuidMapping):
                 self._uuids[parsed.pci_bus_id] = parsed.uuid
                 return
+            if isinstance(parsed, SplitStart):
+                split, split_line = parsed, lineno
+                return
+            if isinstance(parsed, KernelEvent) and not parsed.pci_bus_id and split and lineno - split_line <= 3:
+                parsed = replace(parsed, pci_bus_id=split.pci_bus_id)     # the end of a split message
+                split = None
             boot = timeline.see(parsed)
             if isinstance(parsed, KernelEvent):
                 run.take(parsed, lineno, boot, timeline.judged_time(parsed), "kernel", file=log.name)

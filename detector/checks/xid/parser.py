@@ -37,7 +37,11 @@ _GPU_I = re.compile(r"GPU-I:\s*(?P<gi>\d+)(?:\s+GPU-CI:\s*(?P<ci>\d+))?")
 _PID = re.compile(r"^pid=(?P<pid>'?<unknown>'?|\d+),\s*")
 _NAME = re.compile(r"^name=(?P<name><unknown>|[^,]*),\s*")
 _FELL_OFF = re.compile(r"^NVRM: GPU (?:at )?" + _BUS + r":? (?:GPU )?has fallen off the bus")
-_FELL_OFF_OLD = re.compile(r"^NVRM: The NVIDIA GPU " + _BUS + r"\s.*has fallen off the bus")
+_FELL_OFF_OLD = re.compile(r"^NVRM: The NVIDIA GPU " + _BUS + r"\s.*has\s+(?:NVRM: )?fallen off the bus", re.S)
+# The same message as dmesg prints it, split over indented lines; the first names the GPU, the last says
+# what happened, and the check joins them.
+_SPLIT_START = re.compile(r"^NVRM: The NVIDIA GPU " + _BUS + r"\s*$")
+_FELL_OFF_TAIL = re.compile(r"^NVRM: fallen off the bus and is not responding to commands")
 _SXID = re.compile(r"^nvidia-nvswitch(?P<switch>\d+): SXid \((?P<where>[^)]*)\):\s*(?P<code>\d{1,6}),?\s?"
                    r"(?P<rest>.*)$")
 _UUID = re.compile(r"^NVRM: GPU at " + _BUS + r": (?P<uuid>GPU-[0-9a-fA-F-]{36})\s*$")
@@ -94,6 +98,14 @@ class UuidMapping:
 
 
 @dataclass(frozen=True, slots=True)
+class SplitStart:
+    """`NVRM: The NVIDIA GPU 0000:b3:00.0` alone on a line: the start of a message dmesg split over
+    indented lines; the line that ends it (`NVRM: fallen off the bus ...`) is about this GPU."""
+
+    pci_bus_id: str
+
+
+@dataclass(frozen=True, slots=True)
 class BootBanner:
     """The kernel started (`Linux version ...`, `Command line: ...`, journalctl's `-- Boot ID --` and
     `-- Reboot --`): later lines belong to a new boot."""
@@ -102,7 +114,7 @@ class BootBanner:
     time: float | None = None
 
 
-Parsed = KernelEvent | UuidMapping | BootBanner
+Parsed = KernelEvent | UuidMapping | BootBanner | SplitStart
 
 # A line holds one of these or it is nobody's business here (checked before any regex: most lines).
 _INTERESTING = ("NVRM: ", "SXid (", "Linux version ", "Command line: ", "-- Boot ", "-- Reboot --")
@@ -118,14 +130,14 @@ def parse_line(line: str, year: int | None = None) -> Parsed | None:
         m = _JOURNAL_BOOT.match(line)
         return BootBanner(m["id"]) if m else None
     w = peel(line, year)
-    msg = w.message
+    msg = w.message.lstrip()              # dmesg indents the continuation of a split message
     if msg.startswith(("Linux version ", "Command line: ")):
         # A bare line may be the kernel's (journalctl -o cat); one another program tagged is not.
         return BootBanner(w.boot_id, w.time) if w.origin == KERNEL or not w.wrapped else None
     if not msg.startswith(("NVRM: ", "nvidia-nvswitch")):
         return None
     event = _parse_message_cached(msg)
-    if event is None or isinstance(event, UuidMapping):
+    if event is None or not isinstance(event, KernelEvent):
         return event
     if w.time is None and w.monotonic_s is None and w.origin == KERNEL and w.boot_id is None:
         return event
@@ -133,13 +145,14 @@ def parse_line(line: str, year: int | None = None) -> Parsed | None:
 
 
 @lru_cache(maxsize=1024)
-def _parse_message_cached(msg: str) -> KernelEvent | UuidMapping | None:
+def _parse_message_cached(msg: str) -> KernelEvent | UuidMapping | SplitStart | None:
     """In a flood the same message repeats under new timestamps: parse it once (results are frozen)."""
     return parse_message(msg)
 
 
-def parse_message(msg: str) -> KernelEvent | UuidMapping | None:
-    """The kernel's message itself (no wrapper), as /dev/kmsg and journald deliver it."""
+def parse_message(msg: str) -> KernelEvent | UuidMapping | SplitStart | None:
+    """The kernel's message itself (no wrapper), as /dev/kmsg and journald deliver it (a kmsg record
+    holds a split message whole, its lines joined by newlines)."""
     if msg.startswith("NVRM: Xid"):
         return _parse_xid(msg)
     if msg.startswith("NVRM: "):
@@ -147,6 +160,10 @@ def parse_message(msg: str) -> KernelEvent | UuidMapping | None:
             return KernelEvent("xid", 79, normalize_bus_id(m["bus"]), "GPU has fallen off the bus.")
         if m := _UUID.match(msg):
             return UuidMapping(normalize_bus_id(m["bus"]), "GPU-" + m["uuid"][4:].lower())
+        if m := _SPLIT_START.match(msg):
+            return SplitStart(normalize_bus_id(m["bus"]))
+        if _FELL_OFF_TAIL.match(msg):
+            return KernelEvent("xid", 79, "", "GPU has fallen off the bus.")
         return None
     if "SXid" in msg and (m := _SXID.match(msg)):
         rest = m["rest"].strip()
@@ -197,5 +214,5 @@ def _fatal(text: str) -> bool | None:
     return None if m is None else m.group(1).lower() == "fatal"
 
 
-__all__ = ["KERNEL", "UNVERIFIED", "BootBanner", "KernelEvent", "Parsed", "UuidMapping", "parse_line",
+__all__ = ["KERNEL", "UNVERIFIED", "BootBanner", "KernelEvent", "Parsed", "SplitStart", "UuidMapping", "parse_line",
            "parse_message", "RECOVERY_ACTIONS"]

@@ -41,7 +41,8 @@ _ISO = r"\d{4}-\d\d-\d\d[T ]\d\d:\d\d:\d\d(?:[.,]\d+)?(?:Z|[+-]\d\d:?\d\d)?"
 _STAMP = re.compile(
     r"(?:\[\s*(?P<mono>\d+\.\d+)\]"                                             # dmesg, short-monotonic
     r"|\[(?P<ctime>[A-Z][a-z]{2} [A-Z][a-z]{2} [ \d]?\d \d\d:\d\d:\d\d \d{4})\]"   # dmesg -T
-    r"|(?P<bsd>[A-Z][a-z]{2} {1,2}\d{1,2} \d\d:\d\d:\d\d(?:\.\d+)?)"              # syslog, journalctl
+    r"|(?P<bsd>[^\W\d_]{3,5}\.? {1,2}\d{1,2} \d\d:\d\d:\d\d(?:\.\d+)?)"          # syslog, journalctl
+                                                                                # (any locale's month)
     rf"|(?P<iso>{_ISO}))"                                                       # RFC 3339, dmesg iso
     r"\s+"
 )

@@ -57,6 +57,8 @@ class GpuRef:
 
     def label(self) -> str:
         ids = ", ".join(x for x in (self.uuid, self.pci_bus_id) if x)
+        if self.index is None and not ids:
+            return "GPU (unnamed: its bus id was not in the log)"
         name = f"GPU {self.index}" if self.index is not None else "GPU"
         return f"{name} ({ids})" if ids else name
 

@@ -82,7 +82,7 @@ class XidCheck(Check):
         "dedupe_window_s": ConfigField(float, 60.0, "an XID seen by both sources within this long counts once"),
         "incident_gap_s": ConfigField(float, 60.0, "identical lines further apart than this are separate "
                                                    "incidents"),
-        "max_kernel_events": ConfigField(int, 10_000, "XID lines listed per run in the report (all are counted)"),
+        "max_kernel_events": ConfigField(int, 1_000, "XID lines listed per run in the report (all are counted)"),
     }
     default_interval_s = 5.0
     default_timeout_s = 60.0

@@ -22,7 +22,7 @@ GPU-CI:%02u]): %d, pid=%s, name=%s, %s`):
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import lru_cache
 
 from detector.checks.xid.wrappers import KERNEL, UNVERIFIED, peel
@@ -141,7 +141,10 @@ def parse_line(line: str, year: int | None = None) -> Parsed | None:
         return event
     if w.time is None and w.monotonic_s is None and w.origin == KERNEL and w.boot_id is None:
         return event
-    return replace(event, time=w.time, monotonic_s=w.monotonic_s, origin=w.origin, boot_id=w.boot_id)
+    # Direct construction: dataclasses.replace costs a flood of 800,000 lines seconds.
+    return KernelEvent(event.kind, event.code, event.pci_bus_id, event.message, event.pid, event.process_name,
+                       event.fatal, event.recovery_action, w.time, w.monotonic_s, w.origin, event.gpu_instance,
+                       w.boot_id)
 
 
 @lru_cache(maxsize=1024)

@@ -31,11 +31,11 @@ from detector.core.pciaddr import normalize_bus_id
 _BUS_TEXT = r"[0-9a-fA-F]{4,8}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2}(?:\.[0-7])?|[0-9a-fA-F]{2}:[0-9a-fA-F]{2}(?:\.[0-7])?"
 _BUS = rf"(?:PCI:)?(?P<bus>{_BUS_TEXT})"
 # Whatever stands in the parentheses: a bus id (maybe redacted), then MIG instance ids.
-_XID = re.compile(r"^NVRM: Xid \((?P<where>[^)]*)\):\s*(?P<code>\d{1,4})\b,?\s?(?P<rest>.*)$")
+_XID = re.compile(r"^NVRM: Xid \((?P<where>[^)]*)\):\s*(?P<code>\d{1,5})\b,?\s?(?P<rest>.*)$")
 _WHERE = re.compile(rf"^\s*(?:PCI:)?(?P<bus>{_BUS_TEXT})?(?P<tail>.*)$")
 _GPU_I = re.compile(r"GPU-I:\s*(?P<gi>\d+)(?:\s+GPU-CI:\s*(?P<ci>\d+))?")
-_PID = re.compile(r"^pid=(?P<pid>'?<unknown>'?|\d+),\s*")
-_NAME = re.compile(r"^name=(?P<name><unknown>|[^,]*),\s*")
+_PID = re.compile(r"^pid=(?P<pid>'?<unknown>'?|\d+)(?:,\s*|$)")
+_NAME = re.compile(r"^name=(?P<name><unknown>|[^,]*)(?:,\s*|$)")
 _FELL_OFF = re.compile(r"^NVRM: GPU (?:at )?" + _BUS + r":? (?:GPU )?has fallen off the bus")
 _FELL_OFF_OLD = re.compile(r"^NVRM: The NVIDIA GPU " + _BUS + r"\s.*has\s+(?:NVRM: )?fallen off the bus", re.S)
 # The same message as dmesg prints it, split over indented lines; the first names the GPU, the last says

@@ -39,7 +39,8 @@ _DMESG_X = re.compile(rf"(?P<fac>{_FACILITIES})\s*:\s*(?P<level>{_LEVELS})\s*:\s
 _TALOS = re.compile(rf"(?:\S+: )?(?P<fac>{_FACILITIES}):\s*(?P<level>{_LEVELS}):\s*\[(?P<iso>[^\]]+)\]:\s?")
 _ISO = r"\d{4}-\d\d-\d\d[T ]\d\d:\d\d:\d\d(?:[.,]\d+)?(?:Z|[+-]\d\d:?\d\d)?"
 _STAMP = re.compile(
-    r"(?:\[\s*(?P<mono>\d+\.\d+)\]"                                             # dmesg, short-monotonic
+    r"(?:\[\s*(?P<mono>\d+(?:\.\d+)?)\]"                                        # dmesg, short-monotonic
+    r"|\[\.\.\.\]"                                                               # a stamp the source elided
     r"|\[(?P<ctime>[A-Z][a-z]{2} [A-Z][a-z]{2} [ \d]?\d \d\d:\d\d:\d\d \d{4})\]"   # dmesg -T
     r"|(?P<bsd>[^\W\d_]{3,5}\.? {1,2}\d{1,2} \d\d:\d\d:\d\d(?:\.\d+)?)"          # syslog, journalctl
                                                                                 # (any locale's month)

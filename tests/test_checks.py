@@ -64,7 +64,7 @@ def test_missing_gpu_is_named_by_its_bus_id(registry):
     problem = out.problems[0]
     assert problem.check == "visibility" and problem.severity is Severity.CRITICAL
     assert [g.pci_bus_id for g in problem.gpus] == ["0000:ba:00.0"]
-    assert [g.index for g in problem.gpus] == [6]      # its PCI-order position
+    assert [g.index for g in problem.gpus] == [None]   # NVML gave it no index; index 6 is another GPU
     assert "0000:ba:00.0" in problem.message
     assert len(out.sweep.inventory.gpus) == 7
 

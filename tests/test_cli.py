@@ -58,7 +58,7 @@ def test_missing_gpu_exit_1_with_visibility_problem_naming_its_bus_id():
     [problem] = report["problems"]
     assert problem["check"] == "visibility"
     assert "0000:ba:00.0" in problem["message"]
-    assert problem["gpu_details"] == [{"index": 6, "uuid": None, "pci_bus_id": "0000:ba:00.0"}]
+    assert problem["gpu_details"] == [{"index": None, "uuid": None, "pci_bus_id": "0000:ba:00.0"}]
 
 
 def test_xid79_exit_1_names_gpu_3():

@@ -63,10 +63,8 @@ class VisibilityCheck(Check):
         by_bus = inv.by_bus_id()
         bus_ids = sorted({d.bus_id for d in pci or []} | set(by_bus))
         pci_by_bus = {d.bus_id: d for d in pci or []}
-        pci_order = [d.bus_id for d in pci or []]
 
-        observations = [self._gpu_observation(b, pci_by_bus.get(b), by_bus.get(b), inv, smi, pci_order)
-                        for b in bus_ids]
+        observations = [self._gpu_observation(b, pci_by_bus.get(b), by_bus.get(b), inv, smi) for b in bus_ids]
         expected = self.config["expected_gpus"] or (len(pci) if pci is not None else None)
         node = {
             "expected_gpus": expected,
@@ -85,7 +83,7 @@ class VisibilityCheck(Check):
         return CheckOutput(observations, result)
 
     def _gpu_observation(self, bus_id: str, dev: PciDevice | None, info: GpuInfo | None, inv: Inventory,
-                         smi: SmiListing, pci_order: list[str]) -> Observation:
+                         smi: SmiListing) -> Observation:
         nvml_ok = inv.nvml_error is None
         in_nvml = (info is not None and info.error is None) if nvml_ok else None
         in_smi = None
@@ -100,9 +98,10 @@ class VisibilityCheck(Check):
             "in_smi": in_smi,
             "smi_error": (smi.errors or {}).get(bus_id, ""),
         }
-        # A GPU NVML does not enumerate is named by where NVML would have put it: its PCI-order position.
-        index = info.index if info else (pci_order.index(bus_id) if bus_id in pci_order else None)
-        return Observation(self.name, fields, GpuRef(index, info.uuid if info else None, bus_id))
+        # A GPU NVML does not enumerate has no index: NVML numbers only the GPUs it sees, so its PCI-order
+        # position is another GPU's index whenever a GPU before the last is missing. Its bus id names it.
+        return Observation(self.name, fields, GpuRef(info.index if info else None, info.uuid if info else None,
+                                                     bus_id))
 
     def _smi(self, ctx: SweepContext) -> SmiListing:
         if not self.config["nvidia_smi"]:

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from detector.core.sweep import SweepResult
-from detector.core.types import Problem, Severity
+from detector.core.types import GpuRef, Problem, Severity
 
 
 @dataclass(frozen=True)
@@ -26,7 +26,10 @@ class Diagnosis:
             "gpus": [{
                 "index": g.index, "uuid": g.uuid, "name": g.name, "pci_bus_id": g.pci_bus_id,
                 "pcie": g.pcie.to_dict() if g.pcie else None, "error": g.error,
-            } for g in inv.gpus],
+            } for g in inv.gpus] + [{
+                "index": None, "uuid": ref.uuid, "name": None, "pci_bus_id": bus, "pcie": None,
+                "error": "NotSeenByNvml",
+            } for bus, ref in unseen_gpus(self).items()],
             "problems": [p.to_dict() for p in self.problems],
             "checks": [run.to_dict() for run in self.sweep.runs],
         }
@@ -39,18 +42,23 @@ def render_table(d: Diagnosis) -> str:
     if inv.nvml_error:
         lines.append(f"NVML unusable: {inv.nvml_error}")
     rows = [("GPU", "NAME", "BUS ID", "UUID", "PCIE", "STATE")]
-    reasons: dict[int, list[str]] = {}
+    # A GPU is its bus id first: an index is NVML's, and a GPU NVML does not see has none.
+    reasons: dict[str | int, list[str]] = {}
     for p in d.problems:
         for ref in p.gpus:
-            if ref.index is not None and p.reason not in reasons.setdefault(ref.index, []):
-                reasons[ref.index].append(p.reason)
+            key = ref.pci_bus_id or ref.index
+            if key is not None and p.reason not in reasons.setdefault(key, []):
+                reasons[key].append(p.reason)
     for g in inv.gpus:
         link = "-"
         if g.pcie and g.pcie.current_width:
             link = f"Gen{g.pcie.current_gen} x{g.pcie.current_width}/x{g.pcie.max_width}"
+        state = reasons.get(g.pci_bus_id, []) if g.pci_bus_id else reasons.get(g.index, [])
         rows.append((str(g.index), g.name or "-", g.pci_bus_id or "-", g.uuid or "-", link,
-                     ",".join(reasons.get(g.index, [])) or g.error or "ok"))
-    if inv.gpus:
+                     ",".join(state) or g.error or "ok"))
+    for bus, ref in unseen_gpus(d).items():
+        rows.append(("-", "-", bus, ref.uuid or "-", "-", ",".join(reasons[bus])))
+    if len(rows) > 1:
         lines += ["", *_columns(rows)]
     lines += ["", "checks: " + ", ".join(
         f"{r.name} {r.status} ({r.duration_ms:.0f} ms)" + (f": {r.error}" if r.error else "") for r in d.sweep.runs)]
@@ -61,11 +69,24 @@ def render_table(d: Diagnosis) -> str:
         return "\n".join(lines)
     lines.append(f"{len(d.problems)} problem(s):")
     for p in sorted(d.problems, key=lambda p: -p.severity.rank):
-        gpus = ",".join(str(g.index) for g in p.gpus if g.index is not None)
+        gpus = ",".join(str(g.index) if g.index is not None else g.pci_bus_id for g in p.gpus
+                        if g.index is not None or g.pci_bus_id)
         lines.append(f"  {_badge(p.severity)} {p.type}/{p.reason}" + (f"  GPUs {gpus}" if gpus else "")
                      + f"  [{p.report}, rule {p.rule}]")
         lines.append(f"      {p.message}")
     return "\n".join(lines)
+
+
+def unseen_gpus(d: Diagnosis) -> dict[str, GpuRef]:
+    """GPUs a problem names by bus id that NVML does not enumerate (not attached, or the log of
+    another machine): they get rows of their own, never another GPU's index."""
+    known = {g.pci_bus_id for g in d.sweep.inventory.gpus if g.pci_bus_id}
+    unseen: dict[str, GpuRef] = {}
+    for p in d.problems:
+        for ref in p.gpus:
+            if ref.pci_bus_id and ref.pci_bus_id not in known:
+                unseen.setdefault(ref.pci_bus_id, ref)
+    return dict(sorted(unseen.items()))
 
 
 def _badge(severity: Severity) -> str:

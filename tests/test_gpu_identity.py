@@ -1,0 +1,46 @@
+"""The right GPU, always: a GPU is its PCI bus id first; an index is NVML's own or none.
+
+8 GPUs on the PCI bus, NVML sees 7, the missing one in the middle of PCI order: NVML renumbers the GPUs
+after it, so its PCI-order position (3) is another, healthy GPU's index. The problem must name the
+missing GPU by bus id with no index, and no healthy GPU's row may show it.
+"""
+
+from __future__ import annotations
+
+from conftest import diagnose_host, node_for
+from detector.cli.render import Diagnosis, render_table
+from fake_nvml.faults import Fault
+from fake_nvml.host import fake_host
+
+MISSING = "0000:5d:00.0"          # PCI position 3 of the H100 node's eight
+
+
+def _diagnosis(registry) -> Diagnosis:
+    node = node_for("h100-sxm-8")
+    node.inject(Fault("nvml_invisible", 3, {}))
+    out = diagnose_host(fake_host(node), registry)
+    return Diagnosis("fake:h100-sxm-8", out.sweep, out.problems)
+
+
+def test_missing_gpu_in_the_middle_is_named_by_bus_id_never_by_another_gpus_index(registry):
+    d = _diagnosis(registry)
+    nvml = {g.pci_bus_id: g.index for g in d.sweep.inventory.gpus}
+    assert len(nvml) == 7 and MISSING not in nvml and nvml["0000:9a:00.0"] == 3      # NVML renumbered
+    [problem] = [p for p in d.problems if p.rule == "gpu-not-visible-to-nvml"]
+    assert [(g.index, g.pci_bus_id) for g in problem.gpus] == [(None, MISSING)]
+    assert problem.message.startswith(f"GPU ({MISSING}):")
+    report = d.to_dict()
+    assert report["problems"][0]["gpus"] == [] and report["problems"][0]["gpu_details"] == [
+        {"index": None, "uuid": None, "pci_bus_id": MISSING}]
+    by_bus = {g["pci_bus_id"]: g for g in report["gpus"]}
+    assert by_bus[MISSING]["index"] is None and by_bus[MISSING]["error"] == "NotSeenByNvml"
+    assert {b: g["index"] for b, g in by_bus.items() if b != MISSING} == nvml      # NVML's own indices
+
+
+def test_table_shows_the_missing_gpu_on_its_own_row_and_every_healthy_gpu_ok(registry):
+    table = render_table(_diagnosis(registry))
+    rows = [line.split() for line in table.splitlines() if ":00.0  " in line and not line.startswith(" ")]
+    states = {next(c for c in r if c.endswith(":00.0")): r[-1] for r in rows}
+    assert states.pop(MISSING) == "GpuNotVisibleToNvml"
+    assert len(states) == 7 and set(states.values()) == {"ok"}
+    assert f"GPUs {MISSING}" in table

@@ -181,7 +181,9 @@ def test_diagnosis_through_sysfs_tree_and_subprocess_nvidia_smi(tmp_path, regist
     out = diagnose_host(host, registry)
     assert out.rules() == {"gpu-fell-off-bus", "xid-79"}
     visibility = next(r for r in out.sweep.runs if r.name == "visibility")
-    assert visibility.result["smi_status"] == "ok" and visibility.result["smi_gpus"] == 7
+    # nvidia-smi named the lost GPU and exited 15: a partial listing, the other seven listed.
+    assert visibility.result["smi_status"] == "partial" and visibility.result["smi_gpus"] == 7
+    assert visibility.result["smi_reason"] == "gpu_lost"
 
 
 def test_hung_nvidia_smi_process_is_killed_at_its_timeout(tmp_path):
@@ -205,11 +207,11 @@ def test_parse_smi_list_formats():
     text = ("GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-aaaaaaaa-0000-0000-0000-000000000000)\n"
             "Unable to determine the device handle for GPU0000:5D:00.0: GPU is lost.  Reboot the system\n")
     listing = parse_smi_list(15, text)
-    assert listing.status == "ok"
+    assert listing.status == "partial" and listing.reason == "gpu_lost"
     assert listing.uuids == {"GPU-aaaaaaaa-0000-0000-0000-000000000000"}
     assert listing.errors == {"0000:5d:00.0": "GPU is lost.  Reboot the system"}
     failed = parse_smi_list(9, "NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver.\n")
-    assert failed.status == "failed" and "exit code 9" in failed.detail
+    assert failed.status == "failed" and "exit code 9" in failed.detail and failed.reason == "driver_not_loaded"
 
 
 # -- checks that misbehave, and checks that join from outside the core -------------------------------

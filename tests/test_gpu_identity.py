@@ -44,3 +44,46 @@ def test_table_shows_the_missing_gpu_on_its_own_row_and_every_healthy_gpu_ok(reg
     assert states.pop(MISSING) == "GpuNotVisibleToNvml"
     assert len(states) == 7 and set(states.values()) == {"ok"}
     assert f"GPUs {MISSING}" in table
+
+
+class _SmiSaying:
+    """nvidia-smi that prints what a real one printed, with its exit code."""
+
+    def __init__(self, returncode: int, text: str):
+        from detector.backends.smi import SmiOutcome
+        self._outcome = SmiOutcome("ok", returncode, text, "")
+
+    def run(self, args, timeout_s):
+        return self._outcome
+
+
+def test_nvidia_smi_naming_one_gpu_blames_that_gpu_only(registry):
+    """nvidia-smi -L stops at a GPU it cannot open and exits non-zero: that GPU gets the error, the
+    seven it never reached are not called 'not listed'."""
+    host = fake_host(node_for("h100-sxm-8"))
+    host.smi = _SmiSaying(255, "Unable to determine the device handle for GPU0000:5D:00.0: Unknown Error\n")
+    out = diagnose_host(host, registry, checks=["visibility"])
+    [problem] = out.problems
+    assert (problem.rule, [(g.index, g.pci_bus_id) for g in problem.gpus]) == (
+        "gpu-failing-in-nvidia-smi", [(3, MISSING)])
+    assert "Unknown Error" in problem.message
+    node = out.sweep.runs[0].result
+    assert (node["smi_status"], node["smi_reason"]) == ("partial", "unknown_error")
+
+
+def test_nvidia_smi_without_the_driver_says_why(registry):
+    host = fake_host(node_for("h100-sxm-8"))
+    host.smi = _SmiSaying(9, "NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver. "
+                             "Make sure that the latest NVIDIA driver is installed and running.\n")
+    out = diagnose_host(host, registry, checks=["visibility"])
+    [problem] = out.problems
+    assert problem.rule == "nvidia-smi-failed" and "driver_not_loaded" in problem.message
+    assert out.sweep.runs[0].result["smi_reason"] == "driver_not_loaded"
+
+
+def test_driver_library_version_mismatch_is_its_own_finding(registry):
+    host = fake_host(node_for("h100-sxm-8"))
+    host.smi = _SmiSaying(255, "Failed to initialize NVML: Driver/library version mismatch\n"
+                               "NVML library version: 570.124\n")
+    out = diagnose_host(host, registry, checks=["visibility"])
+    assert out.rules() == {"nvidia-smi-failed", "nvidia-smi-version-mismatch"}

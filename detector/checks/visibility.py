@@ -4,27 +4,14 @@ the bus ids that differ are named."""
 
 from __future__ import annotations
 
-import re
-from dataclasses import dataclass
 from typing import Any
 
 from detector.backends.pci import PciDevice
+from detector.checks.smi_listing import SmiListing, parse_smi_list
 from detector.core.check import Check, CheckOutput, ConfigField
 from detector.core.inventory import GpuInfo, Inventory
-from detector.core.pciaddr import normalize_bus_id
 from detector.core.sweep import SweepContext
 from detector.core.types import GpuRef, Observation
-
-_SMI_GPU = re.compile(r"^GPU (\d+): (.*) \(UUID: (GPU-[0-9a-fA-F-]+)\)")
-_SMI_NO_HANDLE = re.compile(r"Unable to determine the device handle for GPU\s*([0-9A-Fa-f]+:[0-9A-Fa-f:.]+): (.*)")
-
-
-@dataclass(frozen=True)
-class SmiListing:
-    status: str                          # ok | failed | timeout | not_found | error | disabled
-    uuids: frozenset[str] = frozenset()
-    errors: dict[str, str] | None = None # bus id -> the error nvidia-smi printed for it
-    detail: str = ""
 
 
 class VisibilityCheck(Check):
@@ -37,7 +24,8 @@ class VisibilityCheck(Check):
         "driver": "kernel driver bound to it on the PCI bus ('' when none)",
         "in_nvml": "NVML enumerates it and answers for it (null when NVML is unusable)",
         "nvml_error": "the NVML error for this GPU (GpuIsLost, Hung, ...), '' when none",
-        "in_smi": "nvidia-smi -L lists it (null when nvidia-smi did not run cleanly)",
+        "in_smi": "nvidia-smi -L lists it; false when it named this GPU as failing; null when it did not "
+                  "run or stopped before reaching this GPU",
         "smi_error": "what nvidia-smi printed about it (or about itself, on the node observation)",
         # one observation for the node
         "expected_gpus": "GPUs expected: the configured count, else NVIDIA GPUs on the PCI bus",
@@ -45,7 +33,11 @@ class VisibilityCheck(Check):
         "nvml_gpus": "GPUs NVML enumerates",
         "usable_gpus": "GPUs NVML answers for without error",
         "nvml_status": "ok, or why NVML as a whole is unusable (DriverNotLoaded, Hung, ...)",
-        "smi_status": "ok, failed, timeout, not_found, error or disabled",
+        "smi_status": "ok (a complete listing), partial (it named a failing GPU or exited non-zero: GPUs it "
+                      "did not reach are not judged), failed, timeout, not_found, error or disabled",
+        "smi_reason": "why nvidia-smi failed, from its messages and exit code: driver_not_loaded, no_devices, "
+                      "version_mismatch, library_not_found, gpu_lost, inforom_corrupted, unknown_error, ... "
+                      "('' when it succeeded)",
         "smi_gpus": "GPUs nvidia-smi -L listed",
     }
     config_fields = {
@@ -73,7 +65,8 @@ class VisibilityCheck(Check):
             "usable_gpus": sum(1 for g in inv.gpus if g.error is None) if inv.nvml_error is None else None,
             "nvml_status": inv.nvml_error or "ok",
             "smi_status": smi.status,
-            "smi_gpus": len(smi.uuids) if smi.status == "ok" else None,
+            "smi_reason": smi.reason,
+            "smi_gpus": len(smi.uuids) if smi.status in ("ok", "partial") else None,
             "smi_error": smi.detail,
         }
         observations.append(Observation(self.name, node))
@@ -86,9 +79,7 @@ class VisibilityCheck(Check):
                          smi: SmiListing) -> Observation:
         nvml_ok = inv.nvml_error is None
         in_nvml = (info is not None and info.error is None) if nvml_ok else None
-        in_smi = None
-        if smi.status == "ok":
-            in_smi = bool(info and info.uuid and info.uuid in smi.uuids)
+        in_smi = smi.in_smi(info.uuid if info else None, bus_id) if smi.status in ("ok", "partial") else None
         fields: dict[str, Any] = {
             "pci_bus_id": bus_id,
             "on_pci": dev is not None,
@@ -96,7 +87,7 @@ class VisibilityCheck(Check):
             "in_nvml": in_nvml,
             "nvml_error": (info.error or "") if info else "",
             "in_smi": in_smi,
-            "smi_error": (smi.errors or {}).get(bus_id, ""),
+            "smi_error": smi.errors.get(bus_id, ""),
         }
         # A GPU NVML does not enumerate has no index: NVML numbers only the GPUs it sees, so its PCI-order
         # position is another GPU's index whenever a GPU before the last is missing. Its bus id names it.
@@ -110,21 +101,3 @@ class VisibilityCheck(Check):
         if outcome.status != "ok":
             return SmiListing(outcome.status, detail=outcome.detail)
         return parse_smi_list(outcome.returncode or 0, outcome.stdout + outcome.stderr)
-
-
-def parse_smi_list(returncode: int, text: str) -> SmiListing:
-    """`nvidia-smi -L`: one `GPU n: NAME (UUID: ...)` line per GPU; a GPU it cannot open gets an
-    `Unable to determine the device handle for GPU<bus id>: <error>` line instead."""
-    uuids, errors = set(), {}
-    for line in text.splitlines():
-        if m := _SMI_GPU.match(line.strip()):
-            uuids.add(m.group(3))
-        elif m := _SMI_NO_HANDLE.search(line):
-            try:
-                errors[normalize_bus_id(m.group(1))] = m.group(2).strip()
-            except ValueError:
-                pass
-    if returncode != 0 and not uuids and not errors:
-        first = next((ln.strip() for ln in text.splitlines() if ln.strip()), "")
-        return SmiListing("failed", detail=f"exit code {returncode}: {first}"[:300])
-    return SmiListing("ok", frozenset(uuids), errors)

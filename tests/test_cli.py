@@ -23,7 +23,7 @@ def gpu_npd(*args: str, env: dict[str, str] | None = None, timeout: float = 60) 
 
 def diagnose_json(scenario: str, *extra: str) -> tuple[int, dict]:
     proc = gpu_npd("diagnose", "--nvml", f"fake:{scenario}", "--output", "json", *extra)
-    assert proc.stderr == "", proc.stderr
+    assert proc.stderr.startswith("gpu-npd: rules: ") and proc.stderr.count("\n") == 1, proc.stderr
     return proc.returncode, json.loads(proc.stdout)
 
 

@@ -5,10 +5,12 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import textwrap
+
 import pytest
 
 from detector.core.check import CheckRegistry
-from detector.rules.loader import RuleSet, load_rules, rule_files
+from detector.rules.loader import RuleErrors, RuleSet, load_rules, rule_files
 from detector.yamlsource import SourceError
 
 REPO = Path(__file__).resolve().parent.parent
@@ -263,7 +265,8 @@ def test_unknown_field_in_when(tmp_path, known_fields) -> None:
     path, text = rule_file(tmp_path, rule_text(when="curent_width < max_width"))
     err = load_error(path, known_fields)
     assert_located(err, path, line_no(text, "when: curent_width"), "rules[1].when")
-    assert "unknown field 'curent_width' for check 'pcie'" in err.problem
+    assert ("unknown field 'curent_width' at column 1 in 'curent_width < max_width' for check 'pcie'"
+            in err.problem)
     assert "current_width" in err.problem                  # the known fields are listed
 
 
@@ -345,10 +348,92 @@ def test_files_and_directories_mix_in_given_order(tmp_path) -> None:
     assert [r.name for r in rs.rules] == ["in-dir", "pcie-width-degraded"]
 
 
-def test_empty_rules_list_is_fine(tmp_path) -> None:
+def test_a_rule_set_without_rules_is_refused(tmp_path) -> None:
+    """A rule set that checks nothing would call every node healthy: refuse it, loudly."""
     path = tmp_path / "r.yaml"
     path.write_text("version: 1\nrules: []\n")
-    assert load_rules([path]).rules == []
+    err = load_error(path)
+    assert err.file == str(path) and "no rules" in str(err)
+
+
+def test_one_empty_file_among_others_counts_zero_rules(tmp_path) -> None:
+    """A site file kept empty for later is fine beside real rules, and shows as 0 rules."""
+    empty = tmp_path / "site.yaml"
+    empty.write_text("version: 1\nrules: []\n")
+    ruleset = load_rules([REPO / "rules" / "pcie.yaml", empty])
+    assert ruleset.counts_by_file()[str(empty)] == 0 and ruleset.rules
+
+
+def test_a_directory_without_rule_files_is_refused(tmp_path) -> None:
+    (tmp_path / "notes.txt").write_text("not rules")
+    err = load_error(tmp_path)
+    assert err.file == str(tmp_path) and "no rule files" in str(err)
+
+
+def test_no_paths_at_all_is_refused() -> None:
+    assert "no rules" in str(load_error([]))
+
+
+def write(tmp_path: Path, name: str, text: str) -> tuple[Path, str]:
+    text = textwrap.dedent(text).lstrip()
+    path = tmp_path / name
+    path.write_text(text)
+    return path, text
+
+
+def test_every_error_in_every_file_is_reported(tmp_path) -> None:
+    """validate-rules shows them all: two bad rules in one file, a broken second file, a duplicate."""
+    a, a_text = write(tmp_path, "a.yaml", """
+        version: 1
+        rules:
+          - name: one
+            check: pcie
+            when: widht < 16
+            type: GpuPcieDegraded
+            reason: Narrow
+            severity: warning
+            action: RESET_GPU
+            message: narrow
+          - name: two
+            check: pcie
+            when: current_width < max_width
+            type: GpuPcieDegraded
+            reason: Narrow
+            severity: loud
+            action: RESET_GPU
+            message: narrow
+          - name: three
+            check: pcie
+            when: current_width < max_width
+            type: GpuPcieDegraded
+            reason: Narrow
+            severity: warning
+            action: RESET_GPU
+            message: narrow
+        """)
+    b = tmp_path / "b.yaml"
+    b.write_text("version: 1\nrules: [\n")
+    c, _ = write(tmp_path, "c.yaml", """
+        version: 1
+        rules:
+          - name: three
+            check: pcie
+            when: idle
+            type: GpuPcieDegraded
+            reason: Idle
+            severity: info
+            action: IGNORE
+            message: idle
+        """)
+    with pytest.raises(RuleErrors) as e:
+        load_rules([a, b, c], {"pcie": {"current_width", "max_width", "idle"}})
+    lines = str(e.value).splitlines()
+    assert len(e.value.errors) == len(lines) == 4, lines
+    assert lines[0].startswith(f"{a}:{line_no(a_text, 'widht')}: field 'rules[0].when': unknown field 'widht' "
+                               "at column 1 in 'widht < 16'")
+    assert lines[1].startswith(f"{a}:{line_no(a_text, 'loud')}: field 'rules[1].severity'")
+    assert lines[2].startswith(f"{b}")
+    assert lines[3].startswith(f"{c}:") and "already defined at" in lines[3]
 
 
 # --- bugs found -------------------------------------------------------------------------------------------

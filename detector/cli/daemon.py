@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import signal
 import time
@@ -43,7 +44,8 @@ def add_daemon_parsers(sub: Any) -> None:
     r.add_argument("--nvml", default=_env("GPU_NPD_NVML", "real"), metavar="BACKEND",
                    help="real, fake:SCENARIO or fake:PATH.yaml [GPU_NPD_NVML] (default: real)")
     r.add_argument("--rules", action="append", type=Path, metavar="PATH",
-                   help="rule file or directory; repeatable; 'builtin' names the bundled rules (default: builtin)")
+                   help="rule file or directory, repeatable; '+PATH' adds to the bundled rules, a plain PATH "
+                        "replaces them; 'builtin' names them (default: builtin). Logged at start")
     r.add_argument("--checks", metavar="A,B", help="checks to run (default: every enabled one; the nccl probe "
                                                    "is opt-in: name it here or set checks.nccl.enabled)")
     r.add_argument("--config", type=Path, metavar="FILE", help="YAML settings: checks.<name>.interval|timeout|...")
@@ -85,7 +87,7 @@ def add_daemon_parsers(sub: Any) -> None:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from detector.backends.select import open_host
-    from detector.cli.main import UsageError, load_selected_checks, load_ruleset
+    from detector.cli.main import UsageError, describe_rules, load_selected_checks, load_ruleset
     from detector.core.check import CheckRegistry
     from detector.kube.api import ConfigError, KubeApi
 
@@ -94,6 +96,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     setup_logging(args.log_format, args.log_level, args.node_name)
     registry = CheckRegistry.from_entry_points()
     ruleset = load_ruleset(args.rules, registry)
+    logging.getLogger("gpu_npd").info(describe_rules(ruleset))
     checks = load_selected_checks(registry, args.checks, args.config)
     state_dir = args.state_dir
     if state_dir is not None:

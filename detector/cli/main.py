@@ -21,7 +21,7 @@ from detector.config import build_checks, load_check_settings
 from detector.core.check import CheckRegistry
 from detector.core.sweep import run_sweep
 from detector.rules.engine import RuleEngine
-from detector.rules.loader import RuleSet, load_rules
+from detector.rules.loader import RuleErrors, RuleSet, load_rules
 from detector.yamlsource import SourceError
 
 EXIT_HEALTHY, EXIT_PROBLEMS, EXIT_USAGE = 0, 1, 2
@@ -75,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="examples:\n"
                "  gpu-npd diagnose                                   # this node, real NVML\n"
                "  gpu-npd diagnose --nvml fake:h100-sxm-8-xid79 -o json\n"
-               "  gpu-npd diagnose --checks pcie --rules builtin --rules my-rules.yaml\n"
+               "  gpu-npd diagnose --rules +my-rules.yaml             # the bundled rules plus mine\n"
                "  gpu-npd diagnose --checks xid --kernel-log /var/log/kern.log   # post-mortem\n"
                "  journalctl -k -b -1 | gpu-npd diagnose --checks xid --kernel-log -\n"
                "  gpu-npd diagnose --checks nccl                     # all-reduce probe (needs idle GPUs)\n"
@@ -85,8 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--nvml", default=os.environ.get("GPU_NPD_NVML", "real"), metavar="BACKEND",
                    help="real, fake:SCENARIO or fake:PATH.yaml (default: $GPU_NPD_NVML or real)")
     d.add_argument("--rules", action="append", type=Path, metavar="PATH",
-                   help="rule file or directory; repeatable; 'builtin' names the bundled rules "
-                        "(default: builtin only)")
+                   help="rule file or directory, repeatable. '+PATH' adds PATH to the bundled rules; a plain "
+                        "PATH replaces them ('builtin' names them, so '--rules builtin --rules PATH' extends "
+                        "too). Default: the bundled rules. The active rule sets are printed at start")
     d.add_argument("--checks", metavar="A,B", help="comma-separated checks to run (default: every enabled "
                                                    "one, which leaves out the opt-in nccl probe; see "
                                                    "'gpu-npd checks')")
@@ -115,8 +116,10 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("checks", help="list the checks and the fields rules can use")
     c.set_defaults(func=cmd_checks)
 
-    r = sub.add_parser("validate-rules", help="load rule files and report any mistake (exit 2) or OK")
-    r.add_argument("paths", nargs="*", type=Path, metavar="PATH", help="files or directories (default: builtin)")
+    r = sub.add_parser("validate-rules", help="load rule files and report every mistake (exit 2) or OK")
+    r.add_argument("paths", nargs="*", type=Path, metavar="PATH",
+                   help="files or directories, as --rules takes them ('+PATH' adds to the bundled rules; "
+                        "default: builtin)")
     r.set_defaults(func=cmd_validate_rules)
 
     s = sub.add_parser("scenarios", help="list the bundled fake-node scenarios for --nvml fake:NAME")
@@ -132,9 +135,44 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def rule_paths(given: Sequence[Path | str] | None) -> list[Path]:
+    """`--rules` values: `builtin` names the bundled rules, `+PATH` adds PATH to them, a plain PATH
+    replaces them (with `builtin` beside it, extends them). Nothing given: the bundled rules."""
+    names = [str(p) for p in given or []] or [BUILTIN_RULES]
+    if any(n.startswith("+") for n in names) and BUILTIN_RULES not in names:
+        names.insert(0, BUILTIN_RULES)
+    resolved: list[Path] = []
+    for name in names:
+        name = name[1:] if name.startswith("+") else name
+        if not name:
+            raise UsageError("--rules +: name a rule file or directory after the '+'")
+        path = builtin_rules_dir() if name == BUILTIN_RULES else Path(name)
+        if path not in resolved:
+            resolved.append(path)
+    return resolved
+
+
 def load_ruleset(paths: Sequence[Path] | None, registry: CheckRegistry) -> RuleSet:
-    resolved = [builtin_rules_dir() if str(p) == BUILTIN_RULES else p for p in (paths or [Path(BUILTIN_RULES)])]
-    return load_rules(resolved, registry.fields_by_check())
+    return load_rules(rule_paths(paths), registry.fields_by_check())
+
+
+def rule_sources(ruleset: RuleSet) -> list[dict]:
+    """Which rule sets are active and how many rules each gave: the bundled ones as one `builtin`."""
+    builtin = str(builtin_rules_dir())
+    sources: dict[str, int] = {}
+    for file, count in ruleset.counts_by_file().items():
+        name = BUILTIN_RULES if file.startswith(builtin) else file
+        sources[name] = sources.get(name, 0) + count
+    return [{"source": name, "rules": count} for name, count in sources.items()]
+
+
+def describe_rules(ruleset: RuleSet) -> str:
+    """`rules: builtin (120 rules) + site.yaml (3 rules)`, and says so when the built-ins are left out."""
+    sources = rule_sources(ruleset)
+    text = " + ".join(f"{s['source']} ({s['rules']} rule{'s' if s['rules'] != 1 else ''})" for s in sources)
+    if all(s["source"] != BUILTIN_RULES for s in sources):
+        text += "; the built-in rules are NOT loaded (use --rules +PATH to add to them)"
+    return f"rules: {text}"
 
 
 def load_selected_checks(registry: CheckRegistry, checks: str | None, config: Path | None,
@@ -174,12 +212,14 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
     post_mortem = bool(args.kernel_log) and [c.name for c in checks] == ["xid"]
     host = open_host(args.nvml, node_name=args.node_name, sysfs_root=args.sysfs_root, nvidia_smi=args.nvidia_smi,
                      post_mortem=post_mortem)
+    if not args.quiet:
+        print(f"gpu-npd: {describe_rules(ruleset)}", file=sys.stderr, flush=True)
     try:
         sweep = run_sweep(host, checks, inventory_timeout_s=args.inventory_timeout,
                           progress=None if args.quiet else _show_progress)
     finally:
         host.close()
-    diagnosis = Diagnosis(args.nvml, sweep, RuleEngine(ruleset).evaluate(sweep.observations))
+    diagnosis = Diagnosis(args.nvml, sweep, RuleEngine(ruleset).evaluate(sweep.observations), rule_sources(ruleset))
     if args.output == "json":
         print(json.dumps(diagnosis.to_dict(), indent=2))
     else:
@@ -222,9 +262,17 @@ def cmd_checks(args: argparse.Namespace) -> int:
 
 
 def cmd_validate_rules(args: argparse.Namespace) -> int:
+    """Every mistake in every file, one `file:line: field: problem` a line; exit 2 if there is any."""
     registry = CheckRegistry.from_entry_points()
-    ruleset = load_ruleset(args.paths or None, registry)
-    print(f"OK: {len(ruleset.rules)} rules in {len(ruleset.files)} file(s)")
+    try:
+        ruleset = load_ruleset(args.paths or None, registry)
+    except RuleErrors as e:
+        for error in e.errors:
+            print(error, file=sys.stderr)
+        files = len({error.file for error in e.errors})
+        print(f"gpu-npd: {len(e.errors)} error(s) in {files} file(s)", file=sys.stderr)
+        return EXIT_USAGE
+    print(f"OK: {len(ruleset.rules)} rules in {len(ruleset.files)} file(s); {describe_rules(ruleset)}")
     return EXIT_HEALTHY
 
 

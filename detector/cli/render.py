@@ -14,6 +14,7 @@ class Diagnosis:
     backend: str
     sweep: SweepResult
     problems: list[Problem]
+    rules: list[dict] | None = None       # the active rule sets: [{"source", "rules"}]
 
     def to_dict(self) -> dict[str, Any]:
         inv = self.sweep.inventory
@@ -31,6 +32,7 @@ class Diagnosis:
                 "error": "NotSeenByNvml",
             } for bus, ref in unseen_gpus(self).items()],
             "problems": [p.to_dict() for p in self.problems],
+            "rules": self.rules,
             "checks": [run.to_dict() for run in self.sweep.runs],
         }
 

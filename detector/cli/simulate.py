@@ -40,7 +40,8 @@ def add_simulate_parser(sub: Any) -> None:
                        help="start the bundled Kubernetes API emulator in this process and use it")
     s.add_argument("--adopt", metavar="SELECTOR",
                    help="take existing nodes matching this label selector (sorted by name) instead of creating them")
-    s.add_argument("--rules", action="append", type=Path, metavar="PATH", help="rule files (default: builtin)")
+    s.add_argument("--rules", action="append", type=Path, metavar="PATH", help="rule file or directory, repeatable; '+PATH' adds to the bundled rules, a plain PATH replaces "
+                        "them (default: builtin)")
     s.add_argument("--listen", default=DEFAULT_LISTEN, metavar="HOST:PORT",
                    help=f"/metrics, /healthz and /faults (default {DEFAULT_LISTEN})")
     s.add_argument("--fault-log", type=Path, metavar="FILE", help="append every injected fault here (JSON lines)")
@@ -57,7 +58,7 @@ def add_simulate_parser(sub: Any) -> None:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
-    from detector.cli.main import UsageError, load_ruleset
+    from detector.cli.main import UsageError, describe_rules, load_ruleset
     from detector.core.check import CheckRegistry
     from detector.daemon.endpoints import Endpoints
     from detector.kube.api import ConfigError, KubeApi
@@ -72,6 +73,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     spec = load_fleet(args.fleet)
     registry = CheckRegistry.from_entry_points()
     ruleset = load_ruleset(args.rules, registry)
+    logging.getLogger("gpu_npd").info(describe_rules(ruleset))
     emulator = None
     if args.emulator:
         from detector.daemon.local import REPO_DEPLOY

@@ -93,7 +93,8 @@ def _compile(node: ast.AST, names: set[str]) -> _Fn:
     if isinstance(node, (ast.List, ast.Tuple, ast.Set)):
         items = [_compile(e, names) for e in node.elts]
         return lambda f: [i(f) for i in items]
-    raise ExpressionError(f"'{ast.unparse(node)}' is not allowed here: use field names, literals, "
+    where = f" (at column {node.col_offset + 1})" if hasattr(node, "col_offset") else ""
+    raise ExpressionError(f"'{ast.unparse(node)}' is not allowed here{where}: use field names, literals, "
                           "comparisons (== != < <= > >= in), and/or/not and + - * / %")
 
 

@@ -57,13 +57,38 @@ class RuleSet:
     def types(self) -> set[str]:
         return {r.type for r in self.rules if r.report == "condition"}
 
+    def counts_by_file(self) -> dict[str, int]:
+        """How many rules each file gave, in load order."""
+        counts = {f: 0 for f in self.files}
+        for rule in self.rules:
+            counts[rule.file] = counts.get(rule.file, 0) + 1
+        return counts
+
+
+class RuleErrors(SourceError):
+    """Every mistake found in a rule set, not only the first: one `file:line: field: problem` a line.
+    Located like its first error, so callers that show one error still show a precise one."""
+
+    def __init__(self, errors: list[SourceError]):
+        first = errors[0]
+        super().__init__(first.file, first.line, first.field, first.problem)
+        self.errors = errors
+        self.args = ("\n".join(str(e) for e in errors),)
+
+    def __str__(self) -> str:
+        return self.args[0]
+
 
 def rule_files(paths: Iterable[Path]) -> list[Path]:
-    """Expand directories into their *.yaml / *.yml files, in name order."""
+    """Expand directories into their *.yaml / *.yml files, in name order. A directory without any is
+    a mistake (a typo in a mount path would otherwise leave a node without rules)."""
     files: list[Path] = []
     for path in paths:
         if path.is_dir():
-            files.extend(sorted(p for p in path.iterdir() if p.suffix in (".yaml", ".yml")))
+            found = sorted(p for p in path.iterdir() if p.suffix in (".yaml", ".yml"))
+            if not found:
+                raise SourceError(str(path), None, None, "no rule files (*.yaml, *.yml) in this directory")
+            files.extend(found)
         elif path.exists():
             files.append(path)
         else:
@@ -72,39 +97,69 @@ def rule_files(paths: Iterable[Path]) -> list[Path]:
 
 
 def load_rules(paths: Iterable[Path], known_fields: Mapping[str, set[str]] | None = None) -> RuleSet:
-    """Load and validate rule files. `known_fields` (check -> its fields) enables name checking."""
-    files = rule_files(paths)
+    """Load and validate rule files. `known_fields` (check -> its fields) enables name checking.
+    Every file and every rule is checked; all mistakes are raised together (RuleErrors). A set
+    without a single rule is refused: a detector that checks nothing would report every node healthy.
+    One empty file among others is allowed (a site file kept for later) and shows as 0 rules."""
+    paths = list(paths)
+    errors: list[SourceError] = []
+    files: list[Path] = []
+    for path in paths:
+        try:
+            files.extend(rule_files([path]))
+        except SourceError as e:
+            errors.append(e)
     rules: list[Rule] = []
     seen: dict[str, Rule] = {}
     for path in files:
-        for rule in _load_file(path, known_fields):
+        loaded = _load_file(path, known_fields, errors)
+        for rule in loaded:
             if rule.name in seen:
                 first = seen[rule.name]
-                raise SourceError(rule.file, rule.line, f"{rule.path}.name",
-                                  f"rule {rule.name!r} is already defined at {first.file}:{first.line}")
+                errors.append(SourceError(rule.file, rule.line, f"{rule.path}.name",
+                                          f"rule {rule.name!r} is already defined at {first.file}:{first.line}"))
+                continue
             seen[rule.name] = rule
             rules.append(rule)
+    if not rules and not errors:
+        named = ", ".join(str(p) for p in paths) or "--rules"
+        errors.append(SourceError(named, None, None, "no rules: the rule files named hold none, and a rule "
+                                                     "set must hold at least one (use '+PATH' to add to the "
+                                                     "bundled rules)"))
+    if errors:
+        raise RuleErrors(errors)
     return RuleSet(rules, [str(f) for f in files])
 
 
-def _load_file(path: Path, known_fields: Mapping[str, set[str]] | None) -> list[Rule]:
-    doc = load_yaml(path)
-    if doc.data is None:
-        raise SourceError(doc.file, None, None, "empty rule file: expected 'version: 1' and 'rules:'")
-    top = MappingReader(doc.file, doc.data, "")
-    top.reject_unknown({"version", "rules", "defaults"})
-    version = top.get("version", int)
-    if version not in SUPPORTED_VERSIONS:
-        raise top.error("version", f"unsupported version {version}; this gpu-npd reads version "
-                        f"{', '.join(map(str, sorted(SUPPORTED_VERSIONS)))}")
-    defaults: dict = {}
-    if top.has("defaults"):
-        reader = top.child("defaults")
-        reader.reject_unknown(_DEFAULTABLE)
-        _recovery(reader)                           # validate once, where it is written
-        defaults = dict(reader.data)
-    return [_rule(MappingReader(doc.file, item, field, line), known_fields, defaults)
-            for field, line, item in top.items("rules")]
+def _load_file(path: Path, known_fields: Mapping[str, set[str]] | None, errors: list[SourceError]) -> list[Rule]:
+    """The file's valid rules; its mistakes are added to `errors`."""
+    try:
+        doc = load_yaml(path)
+        if doc.data is None:
+            raise SourceError(doc.file, None, None, "empty rule file: expected 'version: 1' and 'rules:'")
+        top = MappingReader(doc.file, doc.data, "")
+        top.reject_unknown({"version", "rules", "defaults"})
+        version = top.get("version", int)
+        if version not in SUPPORTED_VERSIONS:
+            raise top.error("version", f"unsupported version {version}; this gpu-npd reads version "
+                            f"{', '.join(map(str, sorted(SUPPORTED_VERSIONS)))}")
+        defaults: dict = {}
+        if top.has("defaults"):
+            reader = top.child("defaults")
+            reader.reject_unknown(_DEFAULTABLE)
+            _recovery(reader)                           # validate once, where it is written
+            defaults = dict(reader.data)
+        items = list(top.items("rules"))
+    except SourceError as e:
+        errors.append(e)
+        return []
+    rules = []
+    for field, line, item in items:
+        try:
+            rules.append(_rule(MappingReader(doc.file, item, field, line), known_fields, defaults))
+        except SourceError as e:
+            errors.append(e)
+    return rules
 
 
 def _rule(r: MappingReader, known_fields: Mapping[str, set[str]] | None, defaults: Mapping) -> Rule:
@@ -117,7 +172,7 @@ def _rule(r: MappingReader, known_fields: Mapping[str, set[str]] | None, default
     try:
         when = compile_predicate(when_text)
     except ExpressionError as e:
-        raise r.error("when", str(e)) from None
+        raise r.error("when", f"{e} in {when_text!r}") from None
     count, window_s, boots = _escalation(r)
     allowed = _allowed_fields(checks, known_fields)
     if allowed is not None:
@@ -126,7 +181,8 @@ def _rule(r: MappingReader, known_fields: Mapping[str, set[str]] | None, default
                                         ("message", template_names(r.get("message", str)), template_allowed)):
             unknown = sorted(used - known)
             if unknown:
-                raise r.error(field_name, f"unknown field {unknown[0]!r} for check "
+                text = when_text if field_name == "when" else r.get("message", str)
+                raise r.error(field_name, f"unknown field {unknown[0]!r}{_column(text, unknown[0])} for check "
                               f"{_describe(checks)} (known: {', '.join(sorted(known))})")
     action_field = r.get("action_field", str, None)
     if action_field is not None and allowed is not None and action_field not in allowed:
@@ -212,6 +268,12 @@ def _camel(r: MappingReader, key: str) -> str:
     if not _CAMEL.fullmatch(value):
         raise r.error(key, f"{value!r}: expected CamelCase, like GpuPcieDegraded")
     return value
+
+
+def _column(text: str, name: str) -> str:
+    """` at column N in 'EXPR'`: where a name stands in the expression or message that uses it."""
+    m = re.search(rf"(?<![\w.]){re.escape(name)}(?!\w)", text)
+    return f" at column {m.start() + 1} in {text!r}" if m else f" in {text!r}"
 
 
 def _describe(checks: frozenset[str] | None) -> str:

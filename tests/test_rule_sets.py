@@ -1,0 +1,99 @@
+"""How rule sets combine on the command line, and that none can silently vanish: the bundled rules by
+default, `+PATH` to add to them, a plain PATH to replace them (said aloud), an empty set refused, and
+`validate-rules` reporting every mistake."""
+
+from __future__ import annotations
+
+import json
+
+from detector.cli.main import main
+
+MINE = """version: 1
+rules:
+  - name: my-narrow-link
+    check: pcie
+    when: current_width < 16
+    type: GpuPcieNarrow
+    reason: Narrow
+    severity: warning
+    action: INSPECT
+    message: "x{current_width}"
+"""
+
+
+def _diagnose(capsys, *rules: str) -> tuple[int, dict, str]:
+    args = ["diagnose", "--nvml", "fake:h100-sxm-8-pcie-x8", "-o", "json"]
+    for r in rules:
+        args += ["--rules", r]
+    code = main(args)
+    out = capsys.readouterr()
+    return code, (json.loads(out.out) if out.out else {}), out.err
+
+
+def test_default_is_the_bundled_rules_and_says_so(capsys):
+    code, report, err = _diagnose(capsys)
+    assert code == 1 and [s["source"] for s in report["rules"]] == ["builtin"]
+    assert report["rules"][0]["rules"] > 50
+    assert "gpu-npd: rules: builtin (" in err
+
+
+def test_plus_adds_to_the_bundled_rules(tmp_path, capsys):
+    mine = tmp_path / "mine.yaml"
+    mine.write_text(MINE)
+    _, report, err = _diagnose(capsys, f"+{mine}")
+    assert [s["source"] for s in report["rules"]] == ["builtin", str(mine)]
+    assert {"pcie-width-degraded", "my-narrow-link"} <= {p["rule"] for p in report["problems"]}
+    assert f"+ {mine} (1 rule)" in err and "NOT loaded" not in err
+
+
+def test_a_plain_path_replaces_them_and_the_output_says_so(tmp_path, capsys):
+    mine = tmp_path / "mine.yaml"
+    mine.write_text(MINE)
+    _, report, err = _diagnose(capsys, str(mine))
+    assert [p["rule"] for p in report["problems"]] == ["my-narrow-link"]
+    assert "the built-in rules are NOT loaded" in err
+
+
+def test_builtin_and_a_path_extend_as_before(tmp_path, capsys):
+    mine = tmp_path / "mine.yaml"
+    mine.write_text(MINE)
+    _, report, _ = _diagnose(capsys, "builtin", str(mine))
+    assert [s["source"] for s in report["rules"]] == ["builtin", str(mine)]
+
+
+def test_quiet_leaves_stderr_clean(capsys):
+    assert main(["diagnose", "--nvml", "fake:h100-sxm-8", "-q"]) == 0
+    assert capsys.readouterr().err == ""
+
+
+def test_an_empty_rule_set_is_refused_with_exit_2(tmp_path, capsys):
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("version: 1\nrules: []\n")
+    code, _, err = _diagnose(capsys, str(empty))
+    assert code == 2 and f"{empty}: no rules" in err
+    code, _, err = _diagnose(capsys, f"+{empty}")                   # beside the bundled ones: said aloud
+    assert code == 1 and f"+ {empty} (0 rules)" in err
+    empty_dir = tmp_path / "rules.d"
+    empty_dir.mkdir()
+    code, _, err = _diagnose(capsys, str(empty_dir))
+    assert code == 2 and "no rule files" in err
+    code, _, err = _diagnose(capsys, "+")
+    assert code == 2 and "name a rule file" in err
+
+
+def test_validate_rules_reports_every_error_in_every_file(tmp_path, capsys):
+    bad1 = tmp_path / "a.yaml"
+    second = MINE.split("rules:\n")[1].replace("my-narrow-link", "second").replace("warning", "loud")
+    bad1.write_text(MINE.replace("current_width < 16", "widht < 16") + second)
+    bad2 = tmp_path / "b.yaml"
+    bad2.write_text("version: 2\nrules: []\n")
+    assert main(["validate-rules", str(bad1), str(bad2)]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[-1] == "gpu-npd: 3 error(s) in 2 file(s)"
+    assert err[0].startswith(f"{bad1}:5: field 'rules[0].when': unknown field 'widht' at column 1 in 'widht < 16'")
+    assert err[1].startswith(f"{bad1}:16: field 'rules[1].severity'")
+    assert err[2].startswith(f"{bad2}:1: field 'version': unsupported version 2")
+    mine = tmp_path / "mine.yaml"
+    mine.write_text(MINE)
+    assert main(["validate-rules", f"+{mine}"]) == 0
+    assert f"+ {mine} (1 rule)" in capsys.readouterr().out

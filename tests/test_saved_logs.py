@@ -397,3 +397,17 @@ def test_post_mortem_without_a_driver_names_gpus_by_bus_id_and_uuid(tmp_path, ca
     # Without a saved log, no driver is still a clear one-line error.
     assert main(["diagnose", "--nvml", "real", "--checks", "xid"]) == 2
     assert "no NVIDIA driver" in capsys.readouterr().err
+
+
+def test_nvlink5_lines_are_decoded_and_171_follows_its_48(tmp_path, capsys):
+    path = tmp_path / "kern.log"
+    path.write_text("\n".join([
+        syslog(T0, "NVRM: Xid (PCI:0000:5d:00): 149, NETIR_LINK_EVT  Fatal   XC0 i0 Link 01 (0x021425c6 0x00000000)"),
+        syslog(T0 + 100, X48),
+        syslog(T0 + 100, "NVRM: Xid (PCI:0000:2a:00): 171, Uncorrectable DRAM error"),
+    ]) + "\n")
+    _, report = diagnose(capsys, "--kernel-log", str(path))
+    [p149] = [p for p in report["problems"] if p["rule"] == "xid-144-150-fatal"]
+    assert "XID 149, fatal NVLink5 NETIR unit error: NETIR_LINK_EVT" in p149["message"]
+    assert xid_run(report)["result"]["incidents"] == 2          # 149, and 48 with its 171 details
+    assert {"xid-48", "xid-171"} <= rules(report)

@@ -28,7 +28,8 @@ REPO = Path(__file__).resolve().parent.parent
 XID_RULES = REPO / "rules" / "xid.yaml"
 
 XID_FIELDS = {"kind", "code", "pci_bus_id", "fatal", "recovery_action", "message", "pid", "process_name",
-              "count", "source", "boot", "line", "incidents", "follows", "origin", "gpu_instance"}
+              "count", "source", "boot", "line", "incidents", "follows", "origin", "gpu_instance", "nvlink_unit",
+              "nvlink_subcode", "link"}
 KNOWN_FIELDS = {"xid": XID_FIELDS | set(COMMON_FIELDS)}
 
 # NVIDIA's immediate-action bucket per code; workflow buckets resolved as the project decided
@@ -42,9 +43,25 @@ CATALOGUE: dict[int, str] = {
     119: "RESET_GPU", 120: "RESET_GPU", 121: "IGNORE", 136: "RESET_GPU", 137: "IGNORE",
     140: "RESET_GPU", 143: "RESET_GPU", 151: "RESTART_VM", 155: "RESET_GPU", 156: "RESET_GPU",
     157: "IGNORE", 158: "RESET_GPU", 159: "CHECK_UVM",
+    # Added from NVIDIA's "Analyzing Xid Errors with the Xid Catalog" (R575/R580 editions): every code
+    # it marks as applying to A100, H100, B100 or GB200.
+    11: "RESTART_APP", 14: "IGNORE", 25: "RESTART_APP", 37: "IGNORE", 39: "RESTART_APP", 40: "RESTART_APP",
+    41: "RESTART_APP", 60: "RESTART_APP", 66: "IGNORE", 67: "IGNORE", 70: "RESTART_APP", 71: "RESTART_APP",
+    72: "RESTART_APP", 75: "RESTART_APP", 76: "RESTART_APP", 77: "RESTART_APP", 78: "UPDATE_SWFW",
+    82: "RESTART_APP", 83: "RESTART_APP", 84: "RESTART_APP", 85: "RESTART_APP", 86: "RESTART_APP",
+    88: "RESTART_APP", 89: "RESTART_APP", **{c: "RESTART_APP" for c in range(96, 106)}, 106: "IGNORE",
+    107: "IGNORE", 108: "IGNORE", **{c: "RESTART_APP" for c in range(126, 136)}, 139: "RESTART_APP",
+    141: "IGNORE", 142: "CONTACT_SUPPORT", 160: "IGNORE", 161: "IGNORE",
+}
+# Published without an immediate-action bucket: events, never dropped, with the project's (action, severity).
+NO_BUCKET: dict[int, tuple[str, str]] = {
+    162: ("IGNORE", "info"), 163: ("INSPECT", "warning"), 164: ("INSPECT", "warning"),
+    165: ("INSPECT", "warning"), 166: ("INSPECT", "warning"), 167: ("INSPECT", "warning"),
+    168: ("INSPECT", "warning"), 169: ("INSPECT", "warning"), 170: ("INSPECT", "warning"),
+    171: ("IGNORE", "info"), 172: ("IGNORE", "info"), 173: ("INSPECT", "warning"),
 }
 NVLINK5 = range(144, 151)
-ALL_CODES = set(CATALOGUE) | set(NVLINK5) | {154}
+ALL_CODES = set(CATALOGUE) | set(NVLINK5) | {154} | set(NO_BUCKET)
 RECOVERY_ACTIONS = ["RESET_GPU", "RESTART_BM", "DRAIN_P2P", "DRAIN_AND_RESET"]
 
 # The policy: (report, severity) by bucket.
@@ -52,7 +69,8 @@ POLICY: dict[str, tuple[str, str]] = {
     "RESTART_APP": ("event", "warning"),
     "IGNORE": ("event", "info"),
     **{b: ("condition", "critical") for b in
-       ("RESET_GPU", "RESTART_BM", "RESTART_VM", "CHECK_MECHANICALS", "CHECK_UVM", "CONTACT_SUPPORT")},
+       ("RESET_GPU", "RESTART_BM", "RESTART_VM", "CHECK_MECHANICALS", "CHECK_UVM", "CONTACT_SUPPORT",
+        "UPDATE_SWFW")},
 }
 
 EXTENSION_KEYS = {"fallback", "count", "window", "boots"}    # rules with these are not per-code rules
@@ -185,6 +203,22 @@ def test_catalogue_code_gives_one_problem_with_its_bucket(ruleset, code):
     assert (p.rule, p.action, (p.report, p.severity.value)) == (f"xid-{code}", bucket, POLICY[bucket])
     assert p.type == "GpuXidError" and p.gpus == (GPU,)
     assert f"XID {code}" in p.message and "the rest of the line" in p.message
+
+
+@pytest.mark.parametrize("code", sorted(NO_BUCKET))
+def test_codes_published_without_a_bucket_are_events_never_dropped(ruleset, code):
+    p = only(evaluate(ruleset, fields(code)))
+    assert (p.rule, p.report, (p.action, p.severity.value)) == (f"xid-{code}", "event", NO_BUCKET[code])
+    assert f"XID {code}" in p.message
+
+
+def test_every_code_up_to_the_newest_published_is_known_or_unused():
+    """Codes 1-173 that no rule names are the ones NVIDIA lists for none of A100/H100/B100/GB200."""
+    unused = {1, 2, 3, 4, 5, 6, 7, 9, 10, 12, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 26, 27, 28, 29, 30,
+              33, 34, 35, 36, 42, 47, 49, 50, 51, 52, 53, 55, 56, 57, 58, 59, 61, 65, 73, 81, 87, 90, 91,
+              111, 112, 113, 114, 115, 116, 117, 118, 122, 123, 124, 125, 138, 152, 153}
+    named = {c for r in per_code_rules() for c in codes_in(r["when"])}
+    assert set(range(1, 174)) - named == unused
 
 
 def test_application_class_xids_never_set_a_condition(ruleset):

@@ -35,6 +35,7 @@ ACTIONS: dict[str, str] = {
     "RESTART_VM": "drain the node and restart the VM",
     "CHECK_MECHANICALS": "drain the node and check the GPU's power cables and seating",
     "CHECK_UVM": "check the UVM driver and the application's memory use",
+    "UPDATE_SWFW": "update the GPU driver, vGPU software and firmware to versions supported together",
     "DRAIN_P2P": "stop peer-to-peer GPU traffic (and UVM persistence), then check the GPU again",
     "DRAIN_AND_RESET": "drain the GPU's workloads, then reset it with nvidia-smi -r",
     "CHECK_DRIVER": "check that the NVIDIA driver is installed, loaded and matches its user-space libraries",

@@ -45,6 +45,9 @@ FIELDS = {
     "line": "line number of the first such line in a log file, or null",
     "origin": "kernel, or unverified: a saved log's line whose wrapper does not prove the kernel wrote it",
     "gpu_instance": "MIG: the GPU instance (GPU-I) the driver named, else null",
+    "nvlink_unit": "XID 144-150: the NVLink5 unit (SAW, RLW, TLW, TREX, NVLPW_CTRL, NETIR, MSE), else ''",
+    "nvlink_subcode": "XID 144-150: the unit's subcode the line starts with (RLW_REMAP, NETIR_LINK_EVT, ...)",
+    "link": "XID 144-150: the NVLink the line names, else null",
 }
 TABLE_EVENTS = 20          # kernel events listed in diagnose's table; JSON lists up to max_kernel_events
 

@@ -48,8 +48,21 @@ class Incident:
             "incidents": 1 if self.new and self.follows is None else 0, "follows": self.follows,
             "source": "both" if len(self.sources) > 1 else next(iter(self.sources)),
             "boot": self.boot, "line": self.line, "origin": e.origin,
-            "gpu_instance": e.gpu_instance,
+            "gpu_instance": e.gpu_instance, **nvlink_decode(e),
         }
+
+
+# NVLink5 unit per XID 144-150, as NVIDIA's Xid catalogue names them (NVLINK_SAW_ERROR, ...). The first
+# word of such a line is the unit's subcode mnemonic (SAW_MVB, RLW_REMAP, NETIR_LINK_EVT, ...).
+NVLINK_UNITS = {144: "SAW", 145: "RLW", 146: "TLW", 147: "TREX", 148: "NVLPW_CTRL", 149: "NETIR", 150: "MSE"}
+
+
+def nvlink_decode(e: KernelEvent) -> dict[str, Any]:
+    if e.kind != "xid" or e.code not in NVLINK_UNITS:
+        return {"nvlink_unit": "", "nvlink_subcode": "", "link": None}
+    first = e.message.split(None, 1)[0] if e.message else ""
+    subcode = first if first.replace("_", "").isalnum() and first.isupper() else ""
+    return {"nvlink_unit": NVLINK_UNITS[e.code], "nvlink_subcode": subcode, "link": e.link}
 
 
 @dataclass
@@ -122,6 +135,8 @@ class IncidentTracker:
         before = last.incident.first
         if event.code == 154 and before.code != 154:
             return before.code
+        if event.code in (171, 172) and before.code == 48:
+            return 48                                     # the DRAM/SRAM details of that XID 48
         if 144 <= event.code <= 150 and 144 <= before.code <= 150 and event.link is not None \
                 and event.link == before.link and event.code != before.code:
             return before.code

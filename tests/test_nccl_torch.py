@@ -3,6 +3,8 @@ process handling as on GPUs, only the transport differs."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import importlib.util
 import math
 import os
@@ -100,8 +102,11 @@ def test_gloo_two_ranks_measures_and_validates():
 
 def test_timeout_kills_the_worker_and_every_rank(monkeypatch):
     messages: list[str] = []
-    with ProcessWatch(monkeypatch) as watch:                 # the ranks are still importing torch at 1.5s
-        result = TorchBackend("gloo").run(small(timeout_s=1.5, progress=messages.append))
+    # Far more iterations than 1.5 s allows, so the deadline strikes even when torch imports fast (a
+    # warm page cache), and the ranks are alive to be killed.
+    request = replace(small(timeout_s=1.5, progress=messages.append), iterations=1_000_000)
+    with ProcessWatch(monkeypatch) as watch:
+        result = TorchBackend("gloo").run(request)
     assert result.status == TIMEOUT
     assert "killed after 1.5s" in result.error and result.busbw_gbps is None
     assert "starting 2 gloo ranks, 1048576 bytes per all-reduce" in messages

@@ -3,8 +3,6 @@ process handling as on GPUs, only the transport differs."""
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import importlib.util
 import math
 import os
@@ -12,6 +10,7 @@ import sys
 import threading
 import time
 import uuid
+from dataclasses import replace
 from pathlib import Path
 
 import pytest

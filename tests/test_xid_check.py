@@ -231,3 +231,11 @@ def test_live_log_file_counts_only_lines_the_kernel_provably_wrote(registry):
     out = diagnose_host(host, registry, checks=["xid"], settings={"xid": {"nvml_events": False}})
     assert [(o.fields["code"], o.gpu.index, o.fields["origin"]) for o in out.sweep.runs[0].observations] == [
         (13, 4, "kernel")]
+
+
+def test_live_kmsg_events_are_marked_kernel(registry):
+    node = node_for("h100-sxm-8")
+    node.inject(XID79_KERNEL)
+    out = diagnose_host(fake_host(node), registry, checks=["xid"])
+    [obs] = out.sweep.runs[0].observations
+    assert obs.fields["origin"] == "kernel" and obs.fields["incidents"] == 1

@@ -41,7 +41,9 @@ def render_table(d: Diagnosis) -> str:
     inv = d.sweep.inventory
     lines = [f"node {d.sweep.node}  backend {d.backend}  driver {inv.driver_version or '-'}  "
              f"GPUs {len(inv.gpus)}"]
-    if inv.nvml_error:
+    if inv.nvml_error == "LibraryNotFound":
+        lines.append("NVML: no NVIDIA driver on this machine (LibraryNotFound); GPUs are named by bus id")
+    elif inv.nvml_error:
         lines.append(f"NVML unusable: {inv.nvml_error}")
     rows = [("GPU", "NAME", "BUS ID", "UUID", "PCIE", "STATE")]
     # A GPU is its bus id first: an index is NVML's, and a GPU NVML does not see has none.

@@ -136,7 +136,7 @@ class XidCheck(Check):
             run.lines += 1
             if not is_kernel(line):
                 continue                         # written by a user-space program, not the kernel
-            parsed = parse_line(line.text)
+            parsed = parse_line(line.text, kernel=line.priority is not None)
             if parsed is None or not _proven_kernel(line, parsed):
                 continue
             if isinstance(parsed, UuidMapping):
@@ -216,13 +216,9 @@ class XidCheck(Check):
 
 
 def _proven_kernel(line: LogLine, parsed: Any) -> bool:
-    """Live lines: a source that knows the facility (kmsg, journald) has proven it; a log file's line
-    must carry a wrapper that says `kernel`."""
-    if line.priority is not None or not isinstance(parsed, (KernelEvent, UuidMapping)):
-        return True
-    if isinstance(parsed, UuidMapping):
-        return True                              # only names a GPU; it raises nothing
-    return parsed.origin == KERNEL
+    """Live lines: a source that knows the facility (kmsg, journald) has proven it (parse_line was told);
+    a log file's line must carry a wrapper that says `kernel`. A UUID mapping only names a GPU."""
+    return not isinstance(parsed, KernelEvent) or parsed.origin == KERNEL
 
 
 class _Run:

@@ -120,9 +120,10 @@ Parsed = KernelEvent | UuidMapping | BootBanner | SplitStart
 _INTERESTING = ("NVRM: ", "SXid (", "Linux version ", "Command line: ", "-- Boot ", "-- Reboot --")
 
 
-def parse_line(line: str, year: int | None = None) -> Parsed | None:
+def parse_line(line: str, year: int | None = None, kernel: bool = False) -> Parsed | None:
     """An XID/SXid event, a bus-id-to-UUID mapping, a boot banner, or None for every other line.
-    Events carry the wrapper's times and origin (`KERNEL` or `UNVERIFIED`)."""
+    Events carry the wrapper's times and origin (`KERNEL` or `UNVERIFIED`); `kernel`: the source
+    already proved the kernel wrote it (a kmsg or journald record with the kernel's facility)."""
     if not ("NVRM: " in line or "SXid (" in line or "Linux version " in line or "Command line: " in line
             or "-- " in line or "MESSAGE" in line):
         return None                       # (spelled out: a generator here costs a flood 10% more)
@@ -139,11 +140,12 @@ def parse_line(line: str, year: int | None = None) -> Parsed | None:
     event = _parse_message_cached(msg)
     if event is None or not isinstance(event, KernelEvent):
         return event
-    if w.time is None and w.monotonic_s is None and w.origin == KERNEL and w.boot_id is None:
-        return event
+    origin = KERNEL if kernel else w.origin
+    if w.time is None and w.monotonic_s is None and origin == KERNEL and w.boot_id is None:
+        return event                      # the live path's bare kmsg message: the cached event as it is
     # Direct construction: dataclasses.replace costs a flood of 800,000 lines seconds.
     return KernelEvent(event.kind, event.code, event.pci_bus_id, event.message, event.pid, event.process_name,
-                       event.fatal, event.recovery_action, w.time, w.monotonic_s, w.origin, event.gpu_instance,
+                       event.fatal, event.recovery_action, w.time, w.monotonic_s, origin, event.gpu_instance,
                        w.boot_id)
 
 

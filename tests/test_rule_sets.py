@@ -97,3 +97,36 @@ def test_validate_rules_reports_every_error_in_every_file(tmp_path, capsys):
     mine.write_text(MINE)
     assert main(["validate-rules", f"+{mine}"]) == 0
     assert f"+ {mine} (1 rule)" in capsys.readouterr().out
+
+
+def test_a_rule_named_like_a_bundled_one_is_an_error_naming_both_places(tmp_path, capsys):
+    """No silent override: the user renames the rule, or replaces the bundled set on purpose."""
+    mine = tmp_path / "mine.yaml"
+    mine.write_text(MINE.replace("my-narrow-link", "pcie-width-degraded"))
+    code, _, err = _diagnose(capsys, f"+{mine}")
+    assert code == 2
+    assert err.startswith(f"gpu-npd: error: {mine}:3: field 'rules[0].name': rule 'pcie-width-degraded' is "
+                          "already defined at ")
+    assert "pcie.yaml:" in err.splitlines()[0]
+    code, report, _ = _diagnose(capsys, str(mine))                     # replacing: no clash
+    assert code == 1 and [p["rule"] for p in report["problems"]] == ["pcie-width-degraded"]
+
+
+def test_an_empty_rules_argument_is_not_the_current_directory(tmp_path, capsys, monkeypatch):
+    (tmp_path / "stray.yaml").write_text(MINE)
+    monkeypatch.chdir(tmp_path)
+    for value in ("", "+", "+ "):
+        code, _, err = _diagnose(capsys, value)
+        assert code == 2 and f"--rules {value!r}: name a rule file or directory" in err, value
+    assert main(["validate-rules", ""]) == 2
+    assert "name a rule file or directory" in capsys.readouterr().err
+
+
+def test_errors_stop_diagnose_with_the_validate_rules_shape(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(MINE.replace("current_width < 16", "current_width < len(x)"))
+    code, _, err = _diagnose(capsys, f"+{bad}")
+    assert code == 2
+    assert err == (f"gpu-npd: error: {bad}:5: field 'rules[0].when': 'len(x)' is not allowed here at column 17 in "
+                   "'current_width < len(x)': use field names, literals, comparisons (== != < <= > >= in), "
+                   "and/or/not and + - * / %\n")

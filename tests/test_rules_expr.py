@@ -170,17 +170,46 @@ def test_disallowed_part_is_named_in_the_message() -> None:
 
 @pytest.mark.parametrize("text", ["x is None", "x is not null", "1 < x is 2"])
 def test_is_is_rejected_and_points_to_equality(text: str) -> None:
-    with pytest.raises(ExpressionError, match=r"'is' and 'is not' are not allowed: use == and !="):
+    with pytest.raises(ExpressionError, match=r"'is' and 'is not' are not allowed at column 1 in '.*': use == and !="):
         compile_predicate(text)
 
 
 def test_syntax_error_reports_the_column() -> None:
-    with pytest.raises(ExpressionError, match=r"not a valid expression: .* at column 5"):
+    with pytest.raises(ExpressionError) as e:
         compile_predicate("x ==== 1")
-    with pytest.raises(ExpressionError, match=r"not a valid expression: .*column"):
+    assert str(e.value) == "not a valid expression: invalid syntax at column 5 in 'x ==== 1'"
+    assert (e.value.problem, e.value.column, e.value.source) == ("not a valid expression: invalid syntax", 5,
+                                                                 "x ==== 1")
+    # Python says offset 0 when the text ends too early: the column is just past the end, and says so.
+    with pytest.raises(ExpressionError, match=r"^not a valid expression: .* at column 16 \(the end\) in "
+                                              r"'current_width <'$"):
         compile_predicate("current_width <")
-    with pytest.raises(ExpressionError, match="not a valid expression"):
-        compile_predicate("")
+
+
+@pytest.mark.parametrize("text", ["", "   "])
+def test_empty_expression_says_so(text: str) -> None:
+    with pytest.raises(ExpressionError, match="^empty expression"):
+        compile_predicate(text)
+
+
+@pytest.mark.parametrize("text, column", [
+    ("a < len(x)", 5),
+    ("   a < len(x)", 8),                       # the leading blanks the parser never sees still count
+    ('name == "é" and f(x)', 17),              # characters, not the UTF-8 bytes ast counts
+    ("(a <\n len(b))", 7),                     # a line break counts as one character
+])
+def test_disallowed_part_is_located_in_the_expression_as_written(text: str, column: int) -> None:
+    with pytest.raises(ExpressionError) as e:
+        compile_predicate(text)
+    assert e.value.column == column and e.value.source == text
+    assert f" at column {column} in {text!r}: use field names" in str(e.value)
+
+
+def test_each_name_knows_its_first_column() -> None:
+    p = compile_predicate('  kind == "widht" and widht < 3 and widht > 1')
+    assert p.column_of("kind") == 3
+    assert p.column_of("widht") == 23                  # the name, not the same word inside a string
+    assert p.column_of("nothere") is None
 
 
 def test_expression_error_is_a_value_error() -> None:

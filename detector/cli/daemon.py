@@ -43,7 +43,7 @@ def add_daemon_parsers(sub: Any) -> None:
     r.add_argument("--no-kube", action="store_true", help="report to metrics and logs only")
     r.add_argument("--nvml", default=_env("GPU_NPD_NVML", "real"), metavar="BACKEND",
                    help="real, fake:SCENARIO or fake:PATH.yaml [GPU_NPD_NVML] (default: real)")
-    r.add_argument("--rules", action="append", type=Path, metavar="PATH",
+    r.add_argument("--rules", action="append", metavar="PATH",
                    help="rule file or directory, repeatable; '+PATH' adds to the bundled rules, a plain PATH "
                         "replaces them; 'builtin' names them (default: builtin). Logged at start")
     r.add_argument("--checks", metavar="A,B", help="checks to run (default: every enabled one; the nccl probe "
@@ -87,7 +87,8 @@ def add_daemon_parsers(sub: Any) -> None:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from detector.backends.select import open_host
-    from detector.cli.main import UsageError, describe_rules, load_selected_checks, load_ruleset
+    from detector.cli.main import (BUILTIN_RULES, UsageError, describe_rules, load_ruleset, load_selected_checks,
+                                   rule_sources)
     from detector.core.check import CheckRegistry
     from detector.kube.api import ConfigError, KubeApi
 
@@ -96,7 +97,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     setup_logging(args.log_format, args.log_level, args.node_name)
     registry = CheckRegistry.from_entry_points()
     ruleset = load_ruleset(args.rules, registry)
-    logging.getLogger("gpu_npd").info(describe_rules(ruleset))
+    replaced = all(s["source"] != BUILTIN_RULES for s in rule_sources(ruleset))   # a warning: said aloud
+    logging.getLogger("gpu_npd").log(logging.WARNING if replaced else logging.INFO, describe_rules(ruleset))
     checks = load_selected_checks(registry, args.checks, args.config)
     state_dir = args.state_dir
     if state_dir is not None:

@@ -84,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
                "  gpu-npd scenarios                                  # fake nodes to try")
     d.add_argument("--nvml", default=os.environ.get("GPU_NPD_NVML", "real"), metavar="BACKEND",
                    help="real, fake:SCENARIO or fake:PATH.yaml (default: $GPU_NPD_NVML or real)")
-    d.add_argument("--rules", action="append", type=Path, metavar="PATH",
+    d.add_argument("--rules", action="append", metavar="PATH",
                    help="rule file or directory, repeatable. '+PATH' adds PATH to the bundled rules; a plain "
                         "PATH replaces them ('builtin' names them, so '--rules builtin --rules PATH' extends "
                         "too). Default: the bundled rules. The active rule sets are printed at start")
@@ -117,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=cmd_checks)
 
     r = sub.add_parser("validate-rules", help="load rule files and report every mistake (exit 2) or OK")
-    r.add_argument("paths", nargs="*", type=Path, metavar="PATH",
+    r.add_argument("paths", nargs="*", metavar="PATH",
                    help="files or directories, as --rules takes them ('+PATH' adds to the bundled rules; "
                         "default: builtin)")
     r.set_defaults(func=cmd_validate_rules)
@@ -142,17 +142,18 @@ def rule_paths(given: Sequence[Path | str] | None) -> list[Path]:
     if any(n.startswith("+") for n in names) and BUILTIN_RULES not in names:
         names.insert(0, BUILTIN_RULES)
     resolved: list[Path] = []
-    for name in names:
-        name = name[1:] if name.startswith("+") else name
-        if not name:
-            raise UsageError("--rules +: name a rule file or directory after the '+'")
+    for given_name in names:
+        name = given_name[1:] if given_name.startswith("+") else given_name
+        if not name.strip():                 # Path("") would quietly be the current directory
+            raise UsageError(f"--rules {given_name!r}: name a rule file or directory (a leading '+' adds it "
+                             "to the bundled rules)")
         path = builtin_rules_dir() if name == BUILTIN_RULES else Path(name)
         if path not in resolved:
             resolved.append(path)
     return resolved
 
 
-def load_ruleset(paths: Sequence[Path] | None, registry: CheckRegistry) -> RuleSet:
+def load_ruleset(paths: Sequence[Path | str] | None, registry: CheckRegistry) -> RuleSet:
     return load_rules(rule_paths(paths), registry.fields_by_check())
 
 

@@ -40,8 +40,9 @@ def add_simulate_parser(sub: Any) -> None:
                        help="start the bundled Kubernetes API emulator in this process and use it")
     s.add_argument("--adopt", metavar="SELECTOR",
                    help="take existing nodes matching this label selector (sorted by name) instead of creating them")
-    s.add_argument("--rules", action="append", type=Path, metavar="PATH", help="rule file or directory, repeatable; '+PATH' adds to the bundled rules, a plain PATH replaces "
-                        "them (default: builtin)")
+    s.add_argument("--rules", action="append", metavar="PATH",
+                   help="rule file or directory, repeatable; '+PATH' adds to the bundled rules, a plain PATH "
+                        "replaces them; 'builtin' names them (default: builtin). Logged at start")
     s.add_argument("--listen", default=DEFAULT_LISTEN, metavar="HOST:PORT",
                    help=f"/metrics, /healthz and /faults (default {DEFAULT_LISTEN})")
     s.add_argument("--fault-log", type=Path, metavar="FILE", help="append every injected fault here (JSON lines)")
@@ -58,7 +59,7 @@ def add_simulate_parser(sub: Any) -> None:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
-    from detector.cli.main import UsageError, describe_rules, load_ruleset
+    from detector.cli.main import BUILTIN_RULES, UsageError, describe_rules, load_ruleset, rule_sources
     from detector.core.check import CheckRegistry
     from detector.daemon.endpoints import Endpoints
     from detector.kube.api import ConfigError, KubeApi
@@ -73,7 +74,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     spec = load_fleet(args.fleet)
     registry = CheckRegistry.from_entry_points()
     ruleset = load_ruleset(args.rules, registry)
-    logging.getLogger("gpu_npd").info(describe_rules(ruleset))
+    replaced = all(s["source"] != BUILTIN_RULES for s in rule_sources(ruleset))   # a warning: said aloud
+    logging.getLogger("gpu_npd").log(logging.WARNING if replaced else logging.INFO, describe_rules(ruleset))
     emulator = None
     if args.emulator:
         from detector.daemon.local import REPO_DEPLOY

@@ -172,18 +172,23 @@ def _rule(r: MappingReader, known_fields: Mapping[str, set[str]] | None, default
     try:
         when = compile_predicate(when_text)
     except ExpressionError as e:
-        raise r.error("when", f"{e} in {when_text!r}") from None
+        raise r.error("when", str(e)) from None
     count, window_s, boots = _escalation(r)
     allowed = _allowed_fields(checks, known_fields)
     if allowed is not None:
         template_allowed = allowed | (set(ESCALATION_FIELDS) if count or boots else set())
+        message = r.get("message", str)
         for field_name, used, known in (("when", when.names, allowed),
-                                        ("message", template_names(r.get("message", str)), template_allowed)):
+                                        ("message", template_names(message), template_allowed)):
             unknown = sorted(used - known)
             if unknown:
-                text = when_text if field_name == "when" else r.get("message", str)
-                raise r.error(field_name, f"unknown field {unknown[0]!r}{_column(text, unknown[0])} for check "
-                              f"{_describe(checks)} (known: {', '.join(sorted(known))})")
+                name = unknown[0]
+                if field_name == "when":
+                    where = _located(when_text, when.column_of(name))
+                else:
+                    where = _located(message, message.find(f"{{{name}}}") + 1 or None)
+                raise r.error(field_name, f"unknown field {name!r}{where} for check {_describe(checks)} "
+                              f"(known: {', '.join(sorted(known))})")
     action_field = r.get("action_field", str, None)
     if action_field is not None and allowed is not None and action_field not in allowed:
         raise r.error("action_field", f"unknown field {action_field!r} for check {_describe(checks)}")
@@ -270,10 +275,9 @@ def _camel(r: MappingReader, key: str) -> str:
     return value
 
 
-def _column(text: str, name: str) -> str:
-    """` at column N in 'EXPR'`: where a name stands in the expression or message that uses it."""
-    m = re.search(rf"(?<![\w.]){re.escape(name)}(?!\w)", text)
-    return f" at column {m.start() + 1} in {text!r}" if m else f" in {text!r}"
+def _located(text: str, column: int | None) -> str:
+    """` at column N in 'TEXT'`: where a name stands in the expression or message that uses it."""
+    return f" at column {column} in {text!r}" if column else f" in {text!r}"
 
 
 def _describe(checks: frozenset[str] | None) -> str:

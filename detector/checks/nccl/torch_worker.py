@@ -241,7 +241,10 @@ def _timed(dist: ModuleType, torch: ModuleType, buffer: Any, iterations: int, nc
 
 
 def _say(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
+    """One write per line: stderr writes through, so print()'s separate newline could let another rank's
+    line land between a message and its end (an error then reads 'failed...rendezvous done')."""
+    sys.stderr.write(message + "\n")
+    sys.stderr.flush()
 
 
 def _first_line(text: str, limit: int = 300) -> str:

@@ -5,8 +5,12 @@ default, `+PATH` to add to them, a plain PATH to replace them (said aloud), an e
 from __future__ import annotations
 
 import json
+import logging
 
-from detector.cli.main import main
+import pytest
+
+from detector.cli.main import load_ruleset, main
+from detector.core.check import CheckRegistry
 
 MINE = """version: 1
 rules:
@@ -130,3 +134,36 @@ def test_errors_stop_diagnose_with_the_validate_rules_shape(tmp_path, capsys):
     assert err == (f"gpu-npd: error: {bad}:5: field 'rules[0].when': 'len(x)' is not allowed here at column 17 in "
                    "'current_width < len(x)': use field names, literals, comparisons (== != < <= > >= in), "
                    "and/or/not and + - * / %\n")
+
+
+class _Daemon:
+    """Stands in for the daemon: `run` is judged here only by what it logs about its rules at start."""
+
+    def __init__(self, host, *args):
+        self.stop, self.host = None, host
+
+    def run(self) -> int:
+        self.host.close()
+        return 0
+
+
+@pytest.mark.parametrize("given, level, text", [
+    (None, logging.INFO, "rules: builtin ("),
+    ("+{mine}", logging.INFO, "rules: builtin ({n} rules) + {mine} (1 rule)"),
+    ("{mine}", logging.WARNING, "rules: {mine} (1 rule); the built-in rules are NOT loaded"),
+])
+def test_run_logs_the_active_rule_sets_and_warns_when_they_replace_the_bundled_ones(
+        tmp_path, monkeypatch, caplog, given, level, text):
+    import detector.cli.daemon as daemon
+
+    monkeypatch.setattr(daemon, "Daemon", _Daemon)
+    monkeypatch.setattr(daemon, "setup_logging", lambda *args: None)
+    mine = tmp_path / "mine.yaml"
+    mine.write_text(MINE)
+    n = len(load_ruleset(None, CheckRegistry.from_entry_points()).rules)
+    args = ["run", "--nvml", "fake:h100-sxm-8", "--no-kube", "--node-name", "n1", "--listen", "127.0.0.1:0"]
+    args += ["--rules", given.format(mine=mine)] if given else []
+    with caplog.at_level(logging.INFO, logger="gpu_npd"):
+        assert main(args) == 0
+    record = next(r for r in caplog.records if r.name == "gpu_npd" and r.getMessage().startswith("rules: "))
+    assert record.levelno == level and record.getMessage().startswith(text.format(mine=mine, n=n))

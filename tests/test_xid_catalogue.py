@@ -233,6 +233,42 @@ def test_unknown_code_falls_back_to_an_inspect_event(ruleset):
     assert "999" in p.message and "something new" in p.message
 
 
+# Beyond the newest published code, catalogue codes NVIDIA lists as unused, and a made-up one.
+NOT_IN_THE_FILE = [max(ALL_CODES) + 1, 1, 87, 152, 9999]
+
+
+@pytest.mark.parametrize("code", NOT_IN_THE_FILE)
+def test_a_code_no_rule_names_is_reported_by_the_fallback_never_dropped(ruleset, code):
+    assert code not in ALL_CODES
+    p = only(evaluate(ruleset, fields(code, message="a line gpu-npd has not seen")))
+    assert (p.rule, p.reason, p.action, p.report) == ("xid-unknown", "XidNotInCatalogue", "INSPECT", "event")
+    assert p.message.startswith(f"{GPU.label()}: XID {code} is not in gpu-npd's catalogue: a line gpu-npd")
+
+
+@pytest.fixture(scope="module")
+def bundled() -> RuleSet:
+    """Every bundled rule file, as `gpu-npd diagnose` loads them by default."""
+    from detector.cli.main import load_ruleset
+    from detector.core.check import CheckRegistry
+
+    return load_ruleset(None, CheckRegistry.from_entry_points())
+
+
+@pytest.mark.parametrize("code", [*NOT_IN_THE_FILE, *sorted(NO_BUCKET)])
+def test_the_whole_bundled_rule_set_still_reports_new_and_unknown_codes(bundled, code):
+    """With every bundled file loaded (rules of other files may match any check), nothing swallows them."""
+    p = only(evaluate(bundled, fields(code)))
+    assert p.rule == ("xid-unknown" if code in NOT_IN_THE_FILE else f"xid-{code}")
+
+
+@pytest.mark.parametrize("code, unit", [(144, "SAW"), (145, "RLW"), (146, "TLW"), (147, "TREX"),
+                                        (148, "NVLPW_CTRL"), (149, "NETIR"), (150, "MSE")])
+def test_nvlink5_messages_name_the_unit(ruleset, code, unit):
+    for fatal, rule in ((True, "xid-144-150-fatal"), (False, "xid-144-150-nonfatal")):
+        p = only(evaluate(ruleset, {**fields(code, fatal=fatal), "nvlink_unit": unit}))
+        assert p.rule == rule and f"XID {code}, " in p.message and f"NVLink5 {unit} unit error" in p.message
+
+
 @pytest.mark.parametrize("code", list(NVLINK5))
 def test_nvlink5_fatal_sets_a_condition(ruleset, code):
     p = only(evaluate(ruleset, fields(code, fatal=True)))

@@ -87,7 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--rules", action="append", metavar="PATH",
                    help="rule file or directory, repeatable. '+PATH' adds PATH to the bundled rules; a plain "
                         "PATH replaces them ('builtin' names them, so '--rules builtin --rules PATH' extends "
-                        "too). Default: the bundled rules. The active rule sets are printed at start")
+                        "too). Default: the bundled rules. Rule names must be unique across them all. The "
+                        "active rule sets are printed at start")
     d.add_argument("--checks", metavar="A,B", help="comma-separated checks to run (default: every enabled "
                                                    "one, which leaves out the opt-in nccl probe; see "
                                                    "'gpu-npd checks')")

@@ -75,7 +75,7 @@ def peel(line: str, year: int | None = None) -> Wrapped:
     if m := _KMSG.match(line):
         kernel = int(m["pri"]) >> 3 == 0
         return Wrapped(line[m.end():], KERNEL if kernel else UNVERIFIED, None, int(m["usec"]) / 1e6, wrapped=True)
-    pos, facility_kernel, wall_text, mono = 0, None, None, None
+    pos, facility_kernel, mono = 0, None, None
     if m := _PRI.match(line):
         facility_kernel, pos = int(m["pri"]) >> 3 == 0, m.end()
     if m := _TALOS.match(line, pos):

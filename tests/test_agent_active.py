@@ -199,7 +199,7 @@ def test_state_survives_a_restart_and_a_corrupt_file_is_survived(rules, tmp_path
     warning = ActiveProblems(rules).load(path)
     assert warning and str(path) in warning
     path.write_text(json.dumps({"version": 99, "latches": [{"junk": 1}]}))
-    assert ActiveProblems(rules).load(path) is None
+    assert "version 99" in ActiveProblems(rules).load(path)           # another version's file: kept aside too
 
 
 def test_join_messages_stays_within_the_limit_and_keeps_whole_messages():
@@ -234,3 +234,18 @@ def test_agent_reuses_a_recent_inventory_for_the_xid_check_only_until_it_is_old(
         agent.run([checks["xid"]])
     assert len(calls) == 2                      # too old after 0.2 s: read once more, then reused again
     host.close()
+
+
+@pytest.mark.parametrize("content", ["{not json", '{"version": 99, "latches": []}', '{"version": 1}', "[1, 2]"])
+def test_unreadable_problem_state_is_moved_aside_and_reported(rules, tmp_path, content):
+    """Held problems are never silently dropped: the file is kept beside, under a time-stamped name."""
+    path = tmp_path / "problems.json"
+    path.write_text(content)
+    warning = ActiveProblems(rules).load(path)
+    [kept] = list(tmp_path.glob("problems.json.unreadable-*"))
+    assert warning and str(path) in warning and f"moved aside to {kept}" in warning
+    assert kept.read_text() == content and not path.exists()
+
+
+def test_a_missing_problem_state_is_no_warning(rules, tmp_path):
+    assert ActiveProblems(rules).load(tmp_path / "problems.json") is None

@@ -271,6 +271,8 @@ def test_corrupt_cursor_file_means_a_fresh_start(tmp_path, caplog):
     with caplog.at_level(logging.WARNING):
         reader = reader_for(node, CursorStore(cursor_file), start="end")
     assert "corrupt" in caplog.text
+    [kept] = list(tmp_path.glob("kmsg.json.unreadable-*"))               # the evidence is kept
+    assert kept.read_bytes().endswith(b'"se\x00') and f"moved aside to {kept}" in caplog.text
     assert reader.read_available() == []
     log_lines(node, ["new"])
     assert texts(reader.read_available()) == ["new"]

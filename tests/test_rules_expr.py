@@ -224,7 +224,7 @@ def test_malicious_looking_values_are_just_data(tmp_path, monkeypatch) -> None:
     assert p({"nvml_error": payload}) is True
     assert p({"nvml_error": "GpuIsLost"}) is False
     # a field value holding code is never evaluated, whatever the expression does with it
-    q = compile_predicate("nvml_error != '' and nvml_error in [other, 'x'] or nvml_error + 'y' == 1")
+    q = compile_predicate("nvml_error != '' and nvml_error in [other, 'x'] or nvml_error + 1 == 1")
     assert q({"nvml_error": payload, "other": "open('f')"}) is False
     assert q({"nvml_error": payload, "other": payload}) is True
     assert not (tmp_path / "pwned").exists()
@@ -242,3 +242,11 @@ def test_predicate_never_raises_on_mismatched_types(text: str, fields: dict) -> 
 def test_deeply_nested_expression_is_an_expression_error() -> None:
     with pytest.raises(ExpressionError):
         compile_predicate("not " * 5000 + "x")
+
+
+@pytest.mark.parametrize("expression", ['"x" * 1000000000 == message', "[0] * 99999999 == code",
+                                        'message + "x" == "y"', "code % (1, 2) == 0"])
+def test_repeating_or_joining_strings_and_lists_is_refused_when_rules_load(expression):
+    """Such arithmetic could allocate without bound; it never reaches an observation."""
+    with pytest.raises(ExpressionError, match="repeats or joins strings or lists at column"):
+        compile_predicate(expression)

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 from detector.core.check import COMMON_FIELDS
+from detector.core.quarantine import kept_at
 from detector.core.types import GpuRef, Problem, Severity
 from detector.rules.model import MESSAGE_LIMIT, Rule
 
@@ -125,14 +126,17 @@ class ActiveProblems:
         os.replace(tmp, path)
 
     def load(self, path: Path) -> str | None:
-        """Restore held problems; returns a warning (not an exception) when the file is unusable."""
+        """Restore held problems; returns a warning (not an exception) when the file is unusable, which is
+        then moved aside so the held problems in it are kept for an operator, never silently dropped."""
         try:
             data = json.loads(path.read_text())
-            latches = [Latch.from_dict(d) for d in data["latches"]] if data.get("version") == STATE_VERSION else []
+            if data.get("version") != STATE_VERSION:
+                raise ValueError(f"version {data.get('version')!r}, this gpu-npd reads {STATE_VERSION}")
+            latches = [Latch.from_dict(d) for d in data["latches"]]
         except FileNotFoundError:
             return None
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            return f"ignoring unreadable problem state {path}: {type(e).__name__}: {e}"
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            return f"cannot read problem state {path} ({type(e).__name__}: {e}); {kept_at(path)}"
         for latch in latches:
             if latch.problem.rule in self.rules:
                 self.latches[(latch.problem.rule, latch.problem.check)] = latch

@@ -122,6 +122,11 @@ def _compile(node: ast.AST, names: dict[str, int | None], where: _Columns) -> _F
     if isinstance(node, ast.Compare):
         return _compare(node, names, where)
     if isinstance(node, ast.BinOp) and type(node.op) in _ARITH:
+        if isinstance(node.op, (ast.Mult, ast.Add, ast.Mod)) and (_is_sequence(node.left)
+                                                                  or _is_sequence(node.right)):
+            # `"x" * 10**9` or `[0] * 10**9` would allocate without bound: refused when the rules load
+            raise ExpressionError(f"'{ast.unparse(node)}' repeats or joins strings or lists", where.source,
+                                  where.of_node(node), "arithmetic is for numbers only")
         op = _ARITH[type(node.op)]
         left, right = _compile(node.left, names, where), _compile(node.right, names, where)
         return lambda f: op(_number(left(f)), _number(right(f)))
@@ -140,6 +145,11 @@ def _compile(node: ast.AST, names: dict[str, int | None], where: _Columns) -> _F
         return lambda f: [i(f) for i in items]
     raise ExpressionError(f"'{ast.unparse(node)}' is not allowed here", where.source, where.of_node(node),
                           "use field names, literals, comparisons (== != < <= > >= in), and/or/not and + - * / %")
+
+
+def _is_sequence(node: ast.AST) -> bool:
+    return isinstance(node, (ast.List, ast.Tuple, ast.Set)) or (
+        isinstance(node, ast.Constant) and isinstance(node.value, (str, bytes)))
 
 
 def _number(value: Any) -> int | float:

@@ -9,6 +9,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from detector.core.quarantine import kept_at
+
 log = logging.getLogger(__name__)
 
 
@@ -39,10 +41,11 @@ class CursorStore:
         try:
             data = json.loads(text)
         except ValueError as e:
-            log.warning("cursor file %s is corrupt (%s); starting without it", self.path, e)
+            log.warning("cursor file %s is corrupt (%s); %s; starting without it", self.path, e, kept_at(self.path))
             return None
         if not isinstance(data, dict):
-            log.warning("cursor file %s does not hold a JSON object; starting without it", self.path)
+            log.warning("cursor file %s does not hold a JSON object; %s; starting without it", self.path,
+                        kept_at(self.path))
             return None
         self._last_saved = data
         return dict(data)

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from detector.agent.active import ActiveProblems, join_messages
+from detector.agent.active import ActiveProblems
+from detector.rules.model import compose_message
 from detector.core.types import GpuRef, Problem, Severity
 from detector.rules.loader import load_rules
 from detector.yamlsource import SourceError
@@ -172,7 +173,7 @@ def test_condition_summary_puts_the_most_severe_first(rules):
                                 problem("xid-79", message="crit")], 5.0, "b")
     status = active.condition("GpuXidError")
     assert status.reason == "Xid79" and status.severity == Severity.CRITICAL
-    assert status.message == "crit | warn" and status.since == 5.0
+    assert status.message == "crit | warn." and status.since == 5.0
 
 
 def test_event_problems_are_never_held(rules):
@@ -189,7 +190,7 @@ def test_state_survives_a_restart_and_a_corrupt_file_is_survived(rules, tmp_path
     again = ActiveProblems(rules)
     assert again.load(path) is None
     restored = again.condition("GpuXidError")
-    assert restored.active and restored.message == "XID 79 on GPU 3"
+    assert restored.active and restored.message == "XID 79 on GPU 3."
     assert next(iter(again.latches.values())).problem.gpus == (GpuRef(3, "GPU-3", "0000:5d:00.0"),)
     # a rule removed since: its latch is not restored
     fewer = ActiveProblems([r for r in rules if r.name != "xid-79"])
@@ -202,12 +203,41 @@ def test_state_survives_a_restart_and_a_corrupt_file_is_survived(rules, tmp_path
     assert "version 99" in ActiveProblems(rules).load(path)           # another version's file: kept aside too
 
 
-def test_join_messages_stays_within_the_limit_and_keeps_whole_messages():
-    messages = [f"GPU {i}: " + "x" * 100 for i in range(20)]
-    joined = join_messages(messages, 500)
-    assert len(joined) <= 500 and joined.endswith("more)")
-    assert all(part in messages for part in joined.split(" | ")[:-1])
-    assert join_messages(["y" * 2000], 100).endswith("…") and len(join_messages(["y" * 2000], 100)) == 100
+def test_stacked_problems_show_the_most_urgent_first_each_once_ending_with_its_action(rules):
+    """Three problems behind one condition: the one demanding the most (action, then severity, then
+    recency) gives the reason and leads the message; the rest follow once; one recommended action."""
+    active = ActiveProblems(rules)
+
+    def held(rule, reason, action, severity, text):
+        return Problem(rule, "xid", "GpuXidError", reason, compose_message([text], action), severity, action,
+                       "condition", (GpuRef(3, "GPU-3", "0000:5d:00.0"),))
+    newest_but_mild = held("xid-13", "Xid13", "RESTART_APP", Severity.WARNING, "GPU 3: XID 13")
+    reset = held("xid-48", "Xid48", "RESET_GPU", Severity.CRITICAL, "GPU 3: XID 48")
+    reboot = held("xid-79", "Xid79", "RESTART_BM", Severity.CRITICAL, "GPU 3: XID 79")
+    active.update("xid", True, [reboot], 1.0, "b")
+    active.update("xid", True, [reboot, reset], 2.0, "b")
+    active.update("xid", True, [reboot, reset, newest_but_mild, newest_but_mild], 3.0, "b")
+    status = active.condition("GpuXidError")
+    assert status.reason == "Xid79"
+    assert status.message.startswith("GPU 3: XID 79 | GPU 3: XID 48 | GPU 3: XID 13. Recommended action: RESTART_BM")
+    assert status.message.count("Recommended action") == 1
+
+
+def test_condition_message_stays_within_the_limit_and_keeps_whole_findings(rules):
+    active = ActiveProblems(rules)
+    findings = [compose_message([f"GPU {i}: " + "x" * 100], "RESTART_BM") for i in range(20)]
+    active.update("xid", True, [problem(f"r{i}", message=m) for i, m in enumerate(findings)], 1.0, "b")
+    status = active.condition("GpuXidError", limit=500)
+    assert len(status.message) <= 500 and "more)." in status.message
+    assert status.message.count("Recommended action") == 1
+    assert status.message.endswith("power-cycle it if the GPU does not come back).")
+
+
+def test_a_template_that_repeats_its_message_says_it_once():
+    from detector.rules.model import _without_echo
+    assert _without_echo("XID 79, GPU has fallen off the bus: GPU has fallen off the bus.") == \
+        "XID 79, GPU has fallen off the bus"
+    assert _without_echo("XID 46, GPU stopped processing: Ch 00000001") == "XID 46, GPU stopped processing: Ch 00000001"
 
 
 def test_agent_reuses_a_recent_inventory_for_the_xid_check_only_until_it_is_old(registry):

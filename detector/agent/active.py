@@ -17,8 +17,8 @@ from typing import Any, Iterable, Mapping
 
 from detector.core.check import COMMON_FIELDS
 from detector.core.quarantine import kept_at
-from detector.core.types import GpuRef, Problem, Severity
-from detector.rules.model import MESSAGE_LIMIT, Rule
+from detector.core.types import GpuRef, Problem, Severity, action_strength
+from detector.rules.model import MESSAGE_LIMIT, Rule, compose_message, finding_of
 
 STATE_VERSION = 1
 
@@ -108,12 +108,21 @@ class ActiveProblems:
     # -- what the node shows ------------------------------------------------------------------------
 
     def condition(self, type_: str, limit: int = MESSAGE_LIMIT) -> ConditionStatus:
+        """The most urgent problem leads (the action it demands, then severity, then recency); the others
+        follow once each, and the message ends with the leading problem's recommended action."""
         held = sorted((l for l in self.latches.values() if l.problem.type == type_),
-                      key=lambda l: (-l.problem.severity.rank, -l.last, l.problem.rule))
+                      key=lambda l: (-action_strength(l.problem.action), -l.problem.severity.rank, -l.last,
+                                     l.problem.rule))
         if not held:
             return ConditionStatus(type_, False, f"No{type_}", f"no {type_} problem found")
         top = held[0].problem
-        return ConditionStatus(type_, True, top.reason, join_messages([l.problem.message for l in held], limit),
+        bodies: list[str] = []
+        for latch in held:
+            body, _ = finding_of(latch.problem.message)
+            if body not in bodies:
+                bodies.append(body)
+        action = top.action if finding_of(top.message)[1] else "NONE"
+        return ConditionStatus(type_, True, top.reason, compose_message(bodies, action, limit, sep=" | "),
                                top.severity, min(l.first for l in held))
 
     # -- persistence ----------------------------------------------------------------------------------
@@ -146,18 +155,3 @@ class ActiveProblems:
 def _judges_status(rule: Rule) -> bool:
     """A rule over the run's own status (check failed, timed out) is decided even by a failed run."""
     return bool(rule.when.names) and rule.when.names <= set(COMMON_FIELDS)
-
-
-def join_messages(messages: list[str], limit: int) -> str:
-    """Several problems behind one condition: most severe first, whole messages, within `limit`."""
-    kept: list[str] = []
-    for i, m in enumerate(messages):
-        rest = len(messages) - i - 1
-        candidate = " | ".join([*kept, m]) + (f" | (+{rest} more)" if rest else "")
-        if len(candidate) > limit:
-            break
-        kept.append(m)
-    if not kept:
-        return messages[0][: limit - 1] + "…" if messages else ""
-    omitted = len(messages) - len(kept)
-    return " | ".join(kept) + (f" | (+{omitted} more)" if omitted else "")

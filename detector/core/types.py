@@ -48,6 +48,18 @@ ACTIONS: dict[str, str] = {
 }
 
 
+# How much an action asks of an operator, most first: when problems share a condition, the one demanding
+# the most leads its reason and message (then the more severe, then the more recent).
+ACTION_ORDER = ("CONTACT_SUPPORT", "RESTART_BM", "CHECK_MECHANICALS", "RESTART_VM", "DRAIN_AND_RESET",
+                "RESET_GPU", "CHECK_NVLINK", "CHECK_PCIE", "DRAIN_P2P", "UPDATE_SWFW", "CHECK_DRIVER",
+                "CHECK_UVM", "RESTART_APP", "INSPECT", "IGNORE", "NONE")
+
+
+def action_strength(action: str) -> int:
+    """Larger for actions that demand more (an unknown action counts as INSPECT)."""
+    return len(ACTION_ORDER) - ACTION_ORDER.index(action if action in ACTION_ORDER else "INSPECT")
+
+
 @dataclass(frozen=True)
 class GpuRef:
     """Which GPU something is about, as far as it is known."""

@@ -67,7 +67,7 @@ class Rule:
         gpus: list[GpuRef] = []
         parts: list[str] = []
         for obs in hits:
-            text = render(self.message, {**obs.fields, **(extra or {})})
+            text = _without_echo(render(self.message, {**obs.fields, **(extra or {})}))
             if obs.gpu is not None:
                 text = f"{obs.gpu.label()}: {text}"
                 if obs.gpu not in gpus:
@@ -97,25 +97,43 @@ def _count(obs: Observation) -> int:
     return count if isinstance(count, int) and not isinstance(count, bool) and count > 0 else 1
 
 
-def compose_message(parts: Sequence[str], action: str) -> str:
-    """Join findings and end with the recommended action, within MESSAGE_LIMIT characters.
+_ACTION_LEAD = " Recommended action: "
+
+
+def _without_echo(text: str) -> str:
+    """`XID 79, GPU has fallen off the bus: GPU has fallen off the bus.` says it once: a template's
+    `{message}` that repeats what the template already said is dropped."""
+    head, sep, tail = text.rpartition(": ")
+    said = tail.strip().rstrip(".").lower()
+    return head if sep and len(said) >= 4 and head.lower().rstrip(". ").endswith(said) else text
+
+
+def finding_of(message: str) -> tuple[str, bool]:
+    """A problem's message without its closing recommended action (to join it with others), and
+    whether it had one."""
+    body, lead, _ = message.partition(_ACTION_LEAD)
+    return body.rstrip().rstrip("."), bool(lead)
+
+
+def compose_message(parts: Sequence[str], action: str, limit: int = MESSAGE_LIMIT, sep: str = "; ") -> str:
+    """Join findings with `sep` and end with the recommended action, within `limit` characters.
     Findings that do not fit are counted ("+3 more"), never cut off mid-way, except a lone one."""
-    suffix = f" Recommended action: {action} ({ACTIONS[action]})." if action not in ("NONE", "IGNORE") else ""
-    budget = MESSAGE_LIMIT - len(suffix) - 1          # room for the body's closing period
+    suffix = f"{_ACTION_LEAD}{action} ({ACTIONS[action]})." if action not in ("NONE", "IGNORE") else ""
+    budget = limit - len(suffix) - 1                  # room for the body's closing period
 
     def more(n: int) -> str:
         return f" (+{n} more)" if n else ""
 
     kept: list[str] = []
     for i, part in enumerate(parts):
-        if len("; ".join([*kept, part])) + len(more(len(parts) - i - 1)) > budget:
+        if len(sep.join([*kept, part])) + len(more(len(parts) - i - 1)) > budget:
             break
         kept.append(part)
     omitted = len(parts) - len(kept)
     if not kept and parts:                            # even the first finding is too long: shorten it
         omitted -= 1
         kept = [parts[0][: budget - len(more(omitted)) - 1] + "…"]
-    body = "; ".join(kept) + more(omitted)
+    body = sep.join(kept) + more(omitted)
     if not body.endswith("."):
         body += "."
     return body + suffix

@@ -87,3 +87,18 @@ def test_driver_library_version_mismatch_is_its_own_finding(registry):
                                "NVML library version: 570.124\n")
     out = diagnose_host(host, registry, checks=["visibility"])
     assert out.rules() == {"nvidia-smi-failed", "nvidia-smi-version-mismatch"}
+
+
+def test_a_gpu_that_falls_off_the_bus_is_still_named_by_its_uuid(registry):
+    """The daemon's check saw the GPU healthy before; once lost, NVML cannot say its UUID, the message does."""
+    from detector.checks.visibility import VisibilityCheck
+    from detector.core.sweep import run_sweep
+
+    node = node_for("h100-sxm-8")
+    host = fake_host(node)
+    check = VisibilityCheck()
+    run_sweep(host, [check])
+    uuid = node.snapshot().gpus[3].uuid
+    node.inject(Fault("xid", 3, {"code": 79}))
+    [lost] = [o for o in run_sweep(host, [check]).runs[0].observations if o.fields.get("nvml_error") == "GpuIsLost"]
+    assert (lost.gpu.index, lost.gpu.uuid, lost.gpu.pci_bus_id) == (3, uuid, MISSING)

@@ -48,10 +48,18 @@ class VisibilityCheck(Check):
     default_interval_s = 60.0
     default_timeout_s = 20.0
 
+    def __init__(self, config: dict[str, Any] | None = None):
+        super().__init__(config)
+        # bus id -> UUID from earlier runs: a GPU that falls off the bus can no longer tell NVML its UUID,
+        # and the message about it should still carry it (bounded by the GPUs a node can hold).
+        self._uuids: dict[str, str] = {}
+
     def run(self, ctx: SweepContext) -> CheckOutput:
         pci, pci_error = ctx.pci_gpus, ctx.pci_error
         smi = self._smi(ctx)
         inv = ctx.inventory
+        if len(self._uuids) < 1024:
+            self._uuids.update({g.pci_bus_id: g.uuid for g in inv.gpus if g.pci_bus_id and g.uuid})
         by_bus = inv.by_bus_id()
         bus_ids = sorted({d.bus_id for d in pci or []} | set(by_bus))
         pci_by_bus = {d.bus_id: d for d in pci or []}
@@ -91,8 +99,8 @@ class VisibilityCheck(Check):
         }
         # A GPU NVML does not enumerate has no index: NVML numbers only the GPUs it sees, so its PCI-order
         # position is another GPU's index whenever a GPU before the last is missing. Its bus id names it.
-        return Observation(self.name, fields, GpuRef(info.index if info else None, info.uuid if info else None,
-                                                     bus_id))
+        uuid = (info.uuid if info else None) or self._uuids.get(bus_id)
+        return Observation(self.name, fields, GpuRef(info.index if info else None, uuid, bus_id))
 
     def _smi(self, ctx: SweepContext) -> SmiListing:
         if not self.config["nvidia_smi"]:

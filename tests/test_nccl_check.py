@@ -246,8 +246,9 @@ def test_metrics_show_the_last_probe(registry):
     node = node_for("h100-sxm-8-nvlink-down")
     metrics = AgentMetrics()
     agent = agent_for(registry, node, sinks=[metrics])
-    agent.run_due(long_running=True)
     value = metrics.registry.get_sample_value
+    assert value("gpu_npd_nccl_probe_success") is None            # no probe yet: absent, not 0
+    agent.run_due(long_running=True)
     assert value("gpu_npd_nccl_bus_bandwidth_gbps", {"stat": "avg"}) == 240.0
     assert value("gpu_npd_nccl_probe_success") == 1.0 and value("gpu_npd_nccl_wrong_values") == 0.0
     node.inject(Fault("nccl_wrong", params={"count": 3}))
@@ -325,3 +326,16 @@ def _lock_config(tmp_path):
     config = tmp_path / "config.yaml"
     config.write_text(f"checks:\n  nccl:\n    lock_file: {tmp_path / 'nccl.lock'}\n")
     return config
+
+
+def test_a_node_with_the_probe_off_exports_no_nccl_metrics(registry):
+    from prometheus_client import generate_latest
+
+    metrics = AgentMetrics()
+    rules = load_rules([builtin_rules_dir()], registry.fields_by_check())
+    checks = build_checks(registry, None, {})                     # every enabled check: the probe is opt-in
+    assert "nccl" not in {c.name for c in checks}
+    agent = NodeAgent(fake_host(node_for("h100-sxm-8"), threaded=False), checks, rules, [metrics],
+                      AgentSettings(start_spread_s=0.0), clock=Clock())
+    agent.run_due(long_running=True)
+    assert b"gpu_npd_nccl" not in generate_latest(metrics.registry)

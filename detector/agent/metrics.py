@@ -27,13 +27,7 @@ class AgentMetrics(AgentSink):
                                     "in its slot", ["gpu", "pci_bus_id"], registry=r)
         self.pcie_gen = Gauge("gpu_npd_pcie_link_gen", "Negotiated PCIe link generation", ["gpu", "pci_bus_id"],
                               registry=r)
-        self.nccl_busbw = Gauge("gpu_npd_nccl_bus_bandwidth_gbps", "All-reduce bus bandwidth of the last NCCL "
-                                "probe that measured, GB/s (stat: avg or min)", ["stat"], registry=r)
-        self.nccl_wrong = Gauge("gpu_npd_nccl_wrong_values", "Values the last NCCL probe got wrong", registry=r)
-        self.nccl_ok = Gauge("gpu_npd_nccl_probe_success", "1 when the last NCCL probe measured with no wrong "
-                             "values, 0 when it failed, hung or got values wrong", registry=r)
-        self.nccl_last = Gauge("gpu_npd_nccl_probe_timestamp_seconds", "When the last NCCL probe ran (not skipped)",
-                               registry=r)
+        self._nccl_gauges: _NcclGauges | None = None     # made by the first probe: absent, not 0, till then
         self.check_duration = Gauge("gpu_npd_check_duration_seconds", "Duration of the check's last run",
                                     ["check"], registry=r)
         self.check_runs = Counter("gpu_npd_check_runs", "Check runs by how they ended (ok, error, timeout)",
@@ -79,14 +73,28 @@ class AgentMetrics(AgentSink):
                             gauge.labels(gpu, bus).set(obs.fields[key])
 
     def _nccl(self, probe: dict, when: float) -> None:
-        self.nccl_last.set(when)
+        """The probe's gauges exist from its first run on: a node where it is off (the default) exports
+        none of them, rather than zeros that read like a failed or empty measurement."""
+        g = self._nccl_gauges = self._nccl_gauges or _NcclGauges(self.registry)
+        g.last.set(when)
         measured = probe.get("status") == "ok"
-        self.nccl_ok.set(1 if measured and not probe.get("wrong") else 0)
+        g.ok.set(1 if measured and not probe.get("wrong") else 0)
         if measured:
             for stat in ("avg", "min"):
                 if probe.get(f"{stat}_busbw_gbps") is not None:
-                    self.nccl_busbw.labels(stat).set(probe[f"{stat}_busbw_gbps"])
-            self.nccl_wrong.set(probe.get("wrong") or 0)
+                    g.busbw.labels(stat).set(probe[f"{stat}_busbw_gbps"])
+            g.wrong.set(probe.get("wrong") or 0)
 
     def api_request(self, verb: str, resource: str, code: str) -> None:
         self.api_requests.labels(verb, resource, code).inc()
+
+
+class _NcclGauges:
+    def __init__(self, r: CollectorRegistry):
+        self.busbw = Gauge("gpu_npd_nccl_bus_bandwidth_gbps", "All-reduce bus bandwidth of the last NCCL probe "
+                           "that measured, GB/s (stat: avg or min)", ["stat"], registry=r)
+        self.wrong = Gauge("gpu_npd_nccl_wrong_values", "Values the last NCCL probe got wrong", registry=r)
+        self.ok = Gauge("gpu_npd_nccl_probe_success", "1 when the last NCCL probe measured with no wrong "
+                        "values, 0 when it failed, hung or got values wrong", registry=r)
+        self.last = Gauge("gpu_npd_nccl_probe_timestamp_seconds", "When the last NCCL probe ran (not skipped)",
+                          registry=r)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
@@ -30,11 +30,12 @@ class Latch:
     first: float
     last: float         # when its rule last matched
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self, recovery: str = "") -> dict[str, Any]:
+        """`recovery` (the rule's) is written for `gpu-npd clear --list`; loading goes by the rules."""
         p = self.problem
         return {"rule": p.rule, "check": p.check, "type": p.type, "reason": p.reason, "message": p.message,
                 "severity": p.severity.value, "action": p.action, "gpus": [g.to_dict() for g in p.gpus],
-                "time": p.time, "boot": self.boot, "first": self.first, "last": self.last}
+                "time": p.time, "boot": self.boot, "first": self.first, "last": self.last, "recovery": recovery}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "Latch":
@@ -43,6 +44,20 @@ class Latch:
                           report="condition", gpus=tuple(GpuRef(**g) for g in d.get("gpus", [])),
                           time=float(d["time"]))
         return cls(problem, str(d["boot"]), float(d["first"]), float(d["last"]))
+
+
+@dataclass
+class ClearResult:
+    """What an operator's clear did: the held problems it released, the live ones it left."""
+
+    cleared: list[Latch] = field(default_factory=list)
+    live: list[Latch] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.cleared)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"cleared": [l.to_dict() for l in self.cleared], "live": [l.to_dict() for l in self.live]}
 
 
 @dataclass(frozen=True)
@@ -86,13 +101,26 @@ class ActiveProblems:
             del self.latches[k]
         return bool(gone)
 
-    def clear(self, types: set[str] | None, before: float) -> bool:
-        """An operator's clear: release held problems of these types (all if None) seen before `before`."""
-        gone = [k for k, latch in self.latches.items()
-                if (types is None or latch.problem.type in types) and latch.last <= before]
-        for k in gone:
-            del self.latches[k]
-        return bool(gone)
+    def clear(self, types: set[str] | None, before: float) -> "ClearResult":
+        """An operator's clear: release the held problems (recovery reboot or manual) of these types (all
+        if None) last seen before `before`. A problem that reflects a live observation (a GPU missing now)
+        is left alone: clearing it would only flip its condition off until the next run sets it again."""
+        result = ClearResult()
+        for key, latch in list(self.latches.items()):
+            if types is not None and latch.problem.type not in types:
+                continue
+            if self.is_held(latch):
+                if latch.last <= before:
+                    result.cleared.append(latch)
+                    del self.latches[key]
+            else:
+                result.live.append(latch)
+        return result
+
+    def is_held(self, latch: Latch) -> bool:
+        """Held until a reboot or an operator clears it, as opposed to one that ends with its observation."""
+        rule = self.rules.get(latch.problem.rule)
+        return rule is not None and rule.recovery != "observation"
 
     def _over(self, rule_name: str, latch: Latch, now: float, boot: str) -> bool:
         rule = self.rules.get(rule_name)
@@ -129,7 +157,9 @@ class ActiveProblems:
 
     def save(self, path: Path) -> None:
         """Write atomically: a crash mid-write leaves the previous state, never a torn file."""
-        data = {"version": STATE_VERSION, "latches": [l.to_dict() for l in self.latches.values()]}
+        data = {"version": STATE_VERSION, "latches": [
+            l.to_dict(self.rules[l.problem.rule].recovery if l.problem.rule in self.rules else "")
+            for l in self.latches.values()]}
         tmp = path.with_suffix(path.suffix + ".tmp")
         tmp.write_text(json.dumps(data, indent=1))
         os.replace(tmp, path)

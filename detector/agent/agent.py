@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import random
 import threading
 import time
@@ -29,6 +30,7 @@ log = logging.getLogger("gpu_npd.agent")
 
 PROBLEMS_FILE = "problems.json"
 CLEAR_FILE = "clear-request.json"
+CLEAR_RESULT_FILE = "clear-result.json"      # what the daemon did with the last request, for `gpu-npd clear`
 
 
 class AgentSink:
@@ -189,8 +191,16 @@ class NodeAgent:
             path.unlink(missing_ok=True)
             return False
         types = set(request["types"]) if request.get("types") else None
-        log.info("operator clear of %s", ", ".join(sorted(types)) if types else "all held conditions")
-        return self.active.clear(types, float(request.get("time", self.clock())))
+        result = self.active.clear(types, float(request.get("time", self.clock())))
+        log.info("operator clear of %s: cleared %s; left %s (live: they end when the fault does)",
+                 ", ".join(sorted(types)) if types else "all held conditions",
+                 ", ".join(l.problem.rule for l in result.cleared) or "nothing",
+                 ", ".join(l.problem.rule for l in result.live) or "nothing")
+        try:
+            write_json(self.settings.state_dir / CLEAR_RESULT_FILE, {**result.to_dict(), "request": request})
+        except OSError as e:
+            log.warning("cannot write the clear result in %s: %s", self.settings.state_dir, e)
+        return bool(result)
 
     def _restore(self) -> None:
         if self.settings.state_dir is None:
@@ -211,9 +221,17 @@ class NodeAgent:
 
 
 def write_clear_request(state_dir: Path, types: Sequence[str], now: float) -> Path:
+    (state_dir / CLEAR_RESULT_FILE).unlink(missing_ok=True)      # an old answer is not this request's
     path = state_dir / CLEAR_FILE
-    path.write_text(json.dumps({"time": now, "types": list(types)}))
+    write_json(path, {"time": now, "types": list(types)})
     return path
+
+
+def write_json(path: Path, data: dict) -> None:
+    """Atomically: a reader never sees half a file."""
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    os.replace(tmp, path)
 
 
 def _in_lane(check: Check, long_running: bool | None) -> bool:

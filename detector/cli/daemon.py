@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from detector.agent.agent import AgentSettings, write_clear_request
+from detector.agent.agent import CLEAR_RESULT_FILE, PROBLEMS_FILE, AgentSettings, write_clear_request
 from detector.daemon.logs import setup_logging
 from detector.daemon.run import Daemon, DaemonSettings
 from detector.kube.events import EventSettings
@@ -76,6 +78,10 @@ def add_daemon_parsers(sub: Any) -> None:
         description="Ask the running daemon on this node to release held conditions, for example after a GPU "
                     "reset. Run it in the daemon's pod: kubectl exec -n gpu-npd POD -- gpu-npd clear GpuXidError")
     c.add_argument("types", nargs="*", metavar="TYPE", help="condition types to clear (default: all held)")
+    c.add_argument("--list", action="store_true", help="show what is held (since when, why, until what) and "
+                                                       "what is live, and clear nothing")
+    c.add_argument("--wait", type=float, default=15.0, metavar="S",
+                   help="wait this long for the daemon to say what it cleared (default 15; 0: do not wait)")
     c.add_argument("--state-dir", type=Path, default=Path(_env("GPU_NPD_STATE_DIR", DEFAULT_STATE_DIR)),
                    help=f"the daemon's --state-dir (default: {DEFAULT_STATE_DIR})")
     c.set_defaults(func=cmd_clear)
@@ -132,11 +138,51 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_clear(args: argparse.Namespace) -> int:
+    """Only problems held until a reboot or a clear are released: one that reflects what a check sees now
+    (a GPU missing) ends when the fault does, and the command says so."""
     from detector.cli.main import UsageError
 
     if not args.state_dir.is_dir():
         raise UsageError(f"--state-dir {args.state_dir}: no such directory (is the daemon running here?)")
+    if args.list:
+        return _list_held(args.state_dir, set(args.types) or None)
     path = write_clear_request(args.state_dir, args.types, time.time())
     what = ", ".join(args.types) if args.types else "all held conditions"
-    print(f"asked the daemon to clear {what} ({path}); it takes effect at its next check run")
+    print(f"asked the daemon to clear {what} ({path})")
+    deadline = time.monotonic() + max(args.wait, 0.0)
+    result_file = args.state_dir / CLEAR_RESULT_FILE
+    while not result_file.exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    try:
+        result = json.loads(result_file.read_text())
+    except (OSError, ValueError):
+        print("the daemon has not taken the request yet; it does at its next check run "
+              "(see its log, or run gpu-npd clear --list)")
+        return 0
+    for latch in result["cleared"]:
+        print(f"cleared {latch['type']}/{latch['reason']} (rule {latch['rule']}): {latch['message']}")
+    for latch in result["live"]:
+        print(f"left {latch['type']}/{latch['reason']} (rule {latch['rule']}): it reflects what the "
+              f"{latch['check']} check sees now and clears by itself when the fault is gone")
+    if not result["cleared"] and not result["live"]:
+        print("nothing was held")
+    return 0
+
+
+def _list_held(state_dir: Path, types: set[str] | None) -> int:
+    try:
+        latches = json.loads((state_dir / PROBLEMS_FILE).read_text())["latches"]
+    except FileNotFoundError:
+        latches = []
+    except (OSError, ValueError, KeyError) as e:
+        print(f"gpu-npd: cannot read {state_dir / PROBLEMS_FILE}: {e}", file=sys.stderr)
+        return 2
+    shown = [l for l in latches if types is None or l["type"] in types]
+    if not shown:
+        print("nothing is held")
+    for l in shown:
+        since = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(l["first"]))
+        until = {"reboot": "held until a reboot or a clear", "manual": "held until a clear",
+                 "observation": "live: ends when the fault does (clear leaves it)"}.get(l.get("recovery", ""), "")
+        print(f"{l['type']}/{l['reason']}  since {since}  rule {l['rule']}  {until}\n    {l['message']}")
     return 0

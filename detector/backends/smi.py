@@ -8,6 +8,8 @@ import subprocess
 from dataclasses import dataclass
 from typing import Protocol
 
+from detector.core.children import LIVE_GROUPS, kill_group
+
 
 @dataclass(frozen=True)
 class SmiOutcome:
@@ -38,20 +40,20 @@ class SubprocessSmi:
             return SmiOutcome("not_found", detail=f"{self.command[0]} not found")
         except OSError as e:
             return SmiOutcome("error", detail=f"cannot run {self.command[0]}: {e.strerror or e}")
+        LIVE_GROUPS.add(proc.pid)            # killed at exit if still running (Ctrl-C while it hangs)
         try:
             out, err = proc.communicate(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             _kill_group(proc)
             return SmiOutcome("timeout", detail=f"{self.command[0]} did not finish within {timeout_s:g}s")
+        finally:
+            LIVE_GROUPS.discard(proc.pid)
         return SmiOutcome("ok", proc.returncode, out, err)
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
     """Kill the whole process group; never wait long for a child stuck in the kernel (D state)."""
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
+    kill_group(proc.pid, signal.SIGKILL)
     try:
         proc.communicate(timeout=1)
     except subprocess.TimeoutExpired:

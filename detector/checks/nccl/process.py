@@ -3,7 +3,6 @@ at the deadline (mpirun, torch's rank processes and NCCL's helper threads die wi
 
 from __future__ import annotations
 
-import atexit
 import os
 import signal
 import subprocess
@@ -13,35 +12,12 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
+from detector.core.children import LIVE_GROUPS, kill_group
+
 HEAD_LINES, TAIL_LINES = 2000, 5000      # output kept for parsing; a chatty NCCL_DEBUG=INFO run is bounded
 POLL_S = 0.05
 
 
-class _LiveGroups:
-    """Process groups of probes still running. A probe lives in its own session, so neither Ctrl-C nor
-    the daemon's exit reaches it: whatever is still running when this process exits is killed then."""
-
-    def __init__(self) -> None:
-        self._pgids: set[int] = set()
-        self._lock = threading.Lock()
-        atexit.register(self.kill_all)
-
-    def add(self, pgid: int) -> None:
-        with self._lock:
-            self._pgids.add(pgid)
-
-    def discard(self, pgid: int) -> None:
-        with self._lock:
-            self._pgids.discard(pgid)
-
-    def kill_all(self) -> None:
-        with self._lock:
-            for pgid in self._pgids:
-                _kill_group(pgid, signal.SIGKILL)
-            self._pgids.clear()
-
-
-_LIVE = _LiveGroups()     # process-wide by nature: process groups belong to this process, not to an agent
 
 
 @dataclass(frozen=True)
@@ -85,7 +61,7 @@ def run_process(argv: Sequence[str], timeout_s: float, *, env: Mapping[str, str]
                                 start_new_session=True, text=True, errors="replace", bufsize=1)
     except OSError as e:
         return ProcessOutcome("error", None, "", time.monotonic() - started, f"cannot run {argv[0]}: {e.strerror or e}")
-    _LIVE.add(proc.pid)
+    LIVE_GROUPS.add(proc.pid)
     capture = _Capture()
     reader = threading.Thread(target=_read, args=(proc, capture, on_line), daemon=True, name="probe-output")
     reader.start()
@@ -95,7 +71,7 @@ def run_process(argv: Sequence[str], timeout_s: float, *, env: Mapping[str, str]
         now = time.monotonic()
         if now >= deadline:
             timed_out = True
-            _kill_group(proc.pid, signal.SIGTERM)
+            kill_group(proc.pid, signal.SIGTERM)
             _wait_exit(proc.pid, kill_grace_s)
             break
         if on_tick and now >= next_tick:
@@ -104,9 +80,9 @@ def run_process(argv: Sequence[str], timeout_s: float, *, env: Mapping[str, str]
         time.sleep(POLL_S)
     # The leader is gone (or going) but not yet reaped, so its group id cannot have been reused:
     # whatever it left behind dies now.
-    _kill_group(proc.pid, signal.SIGKILL)
+    kill_group(proc.pid, signal.SIGKILL)
     returncode = proc.wait()
-    _LIVE.discard(proc.pid)
+    LIVE_GROUPS.discard(proc.pid)
     reader.join(timeout=2.0)
     duration = time.monotonic() - started
     output = capture.text()
@@ -145,10 +121,3 @@ def _wait_exit(pid: int, seconds: float) -> None:
     end = time.monotonic() + seconds
     while time.monotonic() < end and not _exited(pid):
         time.sleep(POLL_S)
-
-
-def _kill_group(pgid: int, sig: int) -> None:
-    try:
-        os.killpg(pgid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass

@@ -3,8 +3,9 @@
 Code that shells out to nvidia-smi parses its text, so this fake copies the real tool's output
 (driver 550 layout) rather than inventing its own: the same `-L` lines, the same `--query-gpu`
 CSV (units, `[N/A]`, `, ` separators), the same box-drawing summary table, the same error
-messages and exit codes (nvidia-smi(1), RETURN VALUE: 2 invalid argument, 6 not found,
-9 driver not loaded, 15 GPU is lost).
+messages and exit codes (nvidia-smi(1), RETURN VALUE, https://docs.nvidia.com/deploy/nvidia-smi/index.html:
+2 invalid argument, 6 not found, 9 driver not loaded, 15 GPU is lost). The lost-GPU line is the one real
+drivers print (tests/fixtures/real_smi/gh-marian-nmt-marian-251.yaml).
 
 Real-format facts it relies on:
 - nvidia-smi prints its own errors on stdout, not stderr (scripts see them with `2>/dev/null`).

@@ -95,6 +95,20 @@ def test_list_gpus_reports_a_lost_gpu_by_bus_id_and_fails():
     assert all(LIST_LINE.match(line) for i, line in enumerate(lines) if i != 3)
 
 
+def test_lost_gpu_reads_like_the_real_one():
+    """The fake's lost-GPU line says what a real driver said (marian-nmt/marian#251) and reads the same."""
+    import yaml
+
+    from detector.checks.smi_listing import parse_smi_list
+    real = yaml.safe_load((REPO_ROOT / "tests/fixtures/real_smi/gh-marian-nmt-marian-251.yaml").read_text())
+    [real_reason] = real["expect"]["errors"].values()
+    result = smi("h100-sxm-8-xid79", "-L")
+    listing = parse_smi_list(result.returncode, result.stdout)
+    assert (result.returncode, listing.status, listing.reason) == (15, "partial", "gpu_lost")
+    assert listing.errors == {"0000:5d:00.0": real_reason}
+    assert len(listing.uuids) == 7
+
+
 # -- driver not loaded ------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("argv", [[], ["-L"], ["--query-gpu=index", "--format=csv"]])

@@ -102,3 +102,84 @@ def test_a_gpu_that_falls_off_the_bus_is_still_named_by_its_uuid(registry):
     node.inject(Fault("xid", 3, {"code": 79}))
     [lost] = [o for o in run_sweep(host, [check]).runs[0].observations if o.fields.get("nvml_error") == "GpuIsLost"]
     assert (lost.gpu.index, lost.gpu.uuid, lost.gpu.pci_bus_id) == (3, uuid, MISSING)
+
+
+# -- table and JSON tell the same story, and only NVML's own indices appear ---------------------------
+
+def _table_rows(table: str) -> dict[str, tuple[str, str]]:
+    """bus id -> (GPU column, STATE column) of the table's GPU rows."""
+    rows = {}
+    for line in table.splitlines():
+        cells = line.split()
+        bus = next((c for c in cells if len(c) == 12 and c.count(":") == 2 and c[-2] == "."), None)
+        if bus and not line.startswith(" "):
+            rows[bus] = (cells[0], cells[-1])
+    return rows
+
+
+def _assert_table_and_json_agree(d: Diagnosis) -> None:
+    report = d.to_dict()
+    rows = _table_rows(render_table(d))
+    nvml = {g.pci_bus_id: g.index for g in d.sweep.inventory.gpus}
+    blamed = {g["pci_bus_id"] for p in report["problems"] for g in p["gpu_details"]}
+    assert set(rows) == {g["pci_bus_id"] for g in report["gpus"]}
+    for g in report["gpus"]:
+        index, state = rows[g["pci_bus_id"]]
+        assert g["index"] == nvml.get(g["pci_bus_id"])                   # NVML's own index, or null
+        assert index == ("-" if g["index"] is None else str(g["index"]))
+        assert (state == "ok") == (g["pci_bus_id"] not in blamed), (g, state)
+
+
+def test_table_and_json_agree_when_a_gpu_in_the_middle_is_missing(registry):
+    _assert_table_and_json_agree(_diagnosis(registry))
+
+
+def test_nvidia_smi_exiting_15_with_one_error_line_blames_that_gpu_in_table_and_json(registry):
+    """What nvidia-smi -L prints for a lost GPU in the middle (exit 15, the line in its place): the GPUs
+    it lists are never 'not listed', the named one alone carries the finding, by its bus id."""
+    node = node_for("h100-sxm-8")
+    uuids = [g.uuid for g in node.snapshot().gpus]
+    lines = [f"GPU {i}: NVIDIA H100 80GB HBM3 (UUID: {u})" for i, u in enumerate(uuids)]
+    lines[3] = ("Unable to determine the device handle for GPU0000:5D:00.0: GPU is lost.  "
+                "Reboot the system to recover this GPU")
+    host = fake_host(node)
+    host.smi = _SmiSaying(15, "\n".join(lines) + "\n")
+    out = diagnose_host(host, registry, checks=["visibility"])
+    assert [(p.rule, [(g.index, g.pci_bus_id) for g in p.gpus]) for p in out.problems] == [
+        ("gpu-failing-in-nvidia-smi", [(3, MISSING)])]
+    result = out.sweep.runs[0].result
+    assert (result["smi_status"], result["smi_reason"], result["smi_gpus"]) == ("partial", "gpu_lost", 7)
+    d = Diagnosis("fake:h100-sxm-8", out.sweep, out.problems)
+    _assert_table_and_json_agree(d)
+    assert _table_rows(render_table(d))[MISSING] == ("3", "GpuNvidiaSmiError")
+
+
+def test_a_gpu_nvml_does_not_see_has_its_own_row_even_when_no_rule_judges_it(registry):
+    """The row comes from what the visibility check saw, not from the rules: with the GPU's rule
+    disabled the report still shows it, by bus id, without an index."""
+    d = _diagnosis(registry)
+    d = Diagnosis(d.backend, d.sweep, [p for p in d.problems if p.rule != "gpu-not-visible-to-nvml"])
+    assert d.problems == []
+    assert _table_rows(render_table(d))[MISSING] == ("-", "NotSeenByNvml")
+    [entry] = [g for g in d.to_dict()["gpus"] if g["pci_bus_id"] == MISSING]
+    assert (entry["index"], entry["error"]) == (None, "NotSeenByNvml")
+
+
+def test_pci_order_names_a_lost_gpu_only_when_nvml_counts_every_bound_gpu():
+    """NVML numbers the GPUs bound to the driver in PCI order, so a lost GPU's index gives its bus id only
+    when NVML enumerates all of them; otherwise the index may point at a neighbour, and it stays unnamed."""
+    from detector.backends.pci import PciDevice
+    from detector.core.inventory import GpuInfo, Inventory
+    bus = ["0000:18:00.0", "0000:2a:00.0", "0000:3a:00.0", "0000:5d:00.0"]
+    pci = [PciDevice(b, 0x10DE, 0x2330, 0x030200, "nvidia") for b in bus]
+    lost = Inventory("550", None, [GpuInfo(0, "GPU-a", pci_bus_id=bus[0]), GpuInfo(1, error="GpuIsLost"),
+                                   GpuInfo(2, "GPU-c", pci_bus_id=bus[2]), GpuInfo(3, "GPU-d", pci_bus_id=bus[3])])
+    assert lost.named_from_pci(pci).gpus[1].pci_bus_id == bus[1]
+    # NVML enumerates three of the four bound GPUs: index 1 is no longer the second bus id for sure.
+    fewer = Inventory("550", None, [GpuInfo(0, "GPU-a", pci_bus_id=bus[0]), GpuInfo(1, error="GpuIsLost"),
+                                    GpuInfo(2, "GPU-d", pci_bus_id=bus[3])])
+    assert fewer.named_from_pci(pci).gpus[1].pci_bus_id is None
+    # The known GPUs disagree with PCI order: no guessing either.
+    swapped = Inventory("550", None, [GpuInfo(0, "GPU-a", pci_bus_id=bus[2]), GpuInfo(1, error="GpuIsLost"),
+                                      GpuInfo(2, "GPU-c", pci_bus_id=bus[0]), GpuInfo(3, "GPU-d", pci_bus_id=bus[3])])
+    assert swapped.named_from_pci(pci).gpus[1].pci_bus_id is None

@@ -24,8 +24,8 @@ class VisibilityCheck(Check):
         "driver": "kernel driver bound to it on the PCI bus ('' when none)",
         "in_nvml": "NVML enumerates it and answers for it (null when NVML is unusable)",
         "nvml_error": "the NVML error for this GPU (GpuIsLost, Hung, ...), '' when none",
-        "in_smi": "nvidia-smi -L lists it; false when it named this GPU as failing; null when it did not "
-                  "run or stopped before reaching this GPU",
+        "in_smi": "nvidia-smi -L lists it; false when it named this GPU as failing or a complete listing "
+                  "left it out; null when it did not run, or its listing was not clean and did not name it",
         "smi_error": "what nvidia-smi printed about it (or about itself, on the node observation)",
         # one observation for the node
         "expected_gpus": "GPUs expected: the configured count, else NVIDIA GPUs on the PCI bus",
@@ -33,11 +33,12 @@ class VisibilityCheck(Check):
         "nvml_gpus": "GPUs NVML enumerates",
         "usable_gpus": "GPUs NVML answers for without error",
         "nvml_status": "ok, or why NVML as a whole is unusable (DriverNotLoaded, Hung, ...)",
-        "smi_status": "ok (a complete listing), partial (it named a failing GPU or exited non-zero: GPUs it "
-                      "did not reach are not judged), failed, timeout, not_found, error or disabled",
-        "smi_reason": "why nvidia-smi failed, from its messages and exit code: driver_not_loaded, no_devices, "
-                      "version_mismatch, library_not_found, gpu_lost, inforom_corrupted, unknown_error, ... "
-                      "('' when it succeeded)",
+        "smi_status": "ok (a complete listing: exit 0, no error line), partial (it listed or named GPUs but "
+                      "exited non-zero or printed an error line: GPUs it neither listed nor named are not "
+                      "judged), failed (no GPU listed or named), timeout, not_found, error or disabled",
+        "smi_reason": "why nvidia-smi failed, from its messages, else its exit code (nvidia-smi(1)): "
+                      "driver_not_loaded, no_devices, version_mismatch, nvml_init_failed, library_not_found, "
+                      "gpu_lost, not_found, no_permission, inforom_corrupted, unknown_error, ... ('' when ok)",
         "smi_gpus": "GPUs nvidia-smi -L listed",
     }
     config_fields = {
@@ -108,4 +109,4 @@ class VisibilityCheck(Check):
         outcome = ctx.host.smi.run(["-L"], self.config["smi_timeout"])
         if outcome.status != "ok":
             return SmiListing(outcome.status, detail=outcome.detail)
-        return parse_smi_list(outcome.returncode or 0, outcome.stdout + outcome.stderr)
+        return parse_smi_list(outcome.returncode or 0, outcome.stdout + "\n" + outcome.stderr)

@@ -61,7 +61,7 @@ def render_table(d: Diagnosis) -> str:
         rows.append((str(g.index), g.name or "-", g.pci_bus_id or "-", g.uuid or "-", link,
                      ",".join(state) or g.error or "ok"))
     for bus, ref in unseen_gpus(d).items():
-        rows.append(("-", "-", bus, ref.uuid or "-", "-", ",".join(reasons[bus])))
+        rows.append(("-", "-", bus, ref.uuid or "-", "-", ",".join(reasons.get(bus, [])) or "NotSeenByNvml"))
     if len(rows) > 1:
         lines += ["", *_columns(rows)]
     lines += ["", "checks: " + ", ".join(
@@ -82,14 +82,17 @@ def render_table(d: Diagnosis) -> str:
 
 
 def unseen_gpus(d: Diagnosis) -> dict[str, GpuRef]:
-    """GPUs a problem names by bus id that NVML does not enumerate (not attached, or the log of
-    another machine): they get rows of their own, never another GPU's index."""
+    """GPUs NVML does not enumerate, by bus id: the ones the visibility check found on the PCI bus (whether
+    or not a rule judged them) and the ones a problem names (not attached, or the log of another machine).
+    They get rows of their own, never another GPU's index."""
     known = {g.pci_bus_id for g in d.sweep.inventory.gpus if g.pci_bus_id}
+    refs = [o.gpu for run in d.sweep.runs if run.name == "visibility" for o in run.observations
+            if o.gpu and o.fields.get("in_nvml") is False]
+    refs += [ref for p in d.problems for ref in p.gpus]
     unseen: dict[str, GpuRef] = {}
-    for p in d.problems:
-        for ref in p.gpus:
-            if ref.pci_bus_id and ref.pci_bus_id not in known:
-                unseen.setdefault(ref.pci_bus_id, ref)
+    for ref in refs:
+        if ref.pci_bus_id and ref.pci_bus_id not in known:
+            unseen.setdefault(ref.pci_bus_id, ref)
     return dict(sorted(unseen.items()))
 
 

@@ -4,12 +4,14 @@ enforcing deploy/'s RBAC. Time is scaled where the real figure is minutes (backo
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -17,7 +19,7 @@ import pytest
 
 from conftest import node_for
 from detector.daemon.local import REPO_DEPLOY, LocalDaemon, local_daemon
-from detector.daemon.run import EXIT_FORBIDDEN, DaemonSettings
+from detector.daemon.run import EXIT_OK, DaemonSettings
 from detector.kube.conditions import MARKER
 from fake_nvml.faults import Fault
 from kube_emulator import Emulator
@@ -146,7 +148,6 @@ def test_existing_conditions_are_kept_until_their_checks_ran_and_stale_ones_prun
     local = local_daemon("h100-sxm-8", "gpu-2", emulator=emulator, workdir=tmp_path, settings=fast_settings())
     agent, reporter = local.daemon.agent, local.daemon.reporter
     try:
-        reporter.start()
         agent.run([c for c in agent.checks if c.name == "visibility"])
         reporter.flush()
         conditions = local.conditions()
@@ -180,25 +181,94 @@ def test_api_trouble_costs_only_delay(running, emulator):
     assert local.wait_for(lambda: emulator.is_up, 5)
     assert local.wait_for(lambda: status(local, "GpuXidError") == "False" and status(local, "GpuMissing") == "False"
                           and "GPU 4" in local.conditions()["GpuPcieDegraded"]["message"], 15), local.conditions()
-    assert local.thread.is_alive() and local.daemon.fatal is None
+    assert local.thread.is_alive()
     assert local.daemon.health() == (True, "ok")
     assert emulator.request_count(code=429) >= 3 and emulator.request_count(code=503) >= 1
 
 
-def test_a_missing_permission_stops_the_daemon_with_a_clear_message(emulator, tmp_path):
+def get(address: str, path: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(f"http://{address}{path}", timeout=5) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def test_a_missing_permission_is_one_clear_line_and_checks_go_on(emulator, tmp_path, caplog):
     rbac = tmp_path / "rbac"
     rbac.mkdir()
     text = (REPO_DEPLOY / "rbac.yaml").read_text().replace('resources: ["nodes/status"]', 'resources: ["nodes/proxy"]')
     assert "nodes/proxy" in text
     (rbac / "rbac.yaml").write_text(text)
+    caplog.set_level(logging.INFO, logger="gpu_npd")
     with Emulator(rbac_paths=(rbac,)) as narrow:
         local = local_daemon("h100-sxm-8", "gpu-3", emulator=narrow, workdir=tmp_path, settings=fast_settings(),
                              check_settings=FAST_CHECKS).start()
-        local.thread.join(15)
-        assert not local.thread.is_alive() and local.exit_code == EXIT_FORBIDDEN
-        assert "nodes/status" in local.daemon.fatal and "forbidden" in local.daemon.fatal
-        assert "deploy/base/rbac.yaml" in local.daemon.fatal
-        assert local.daemon.health()[0] is False
+        try:
+            address = local.daemon.endpoints.address
+            assert local.wait_for(lambda: get(address, "/readyz")[0] == 503, 10)
+            local.node.inject(Fault("xid", gpu=2, params={"code": 79}))
+            assert local.wait_for(lambda: 'gpu_npd_problem_gauge{reason="Xid79GpuFellOffBus",type="GpuXidError"} 1.0'
+                                  in get(address, "/metrics")[1], 10)
+            time.sleep(1.0)                                       # more sweeps, more refused patches
+            assert local.thread.is_alive()
+            assert get(address, "/healthz") == (200, "ok\n")
+            code, why = get(address, "/readyz")
+            assert code == 503 and "patch nodes/status (403 Forbidden)" in why and "deploy/base/rbac.yaml" in why
+            assert "gpu_npd_reporting 0.0" in get(address, "/metrics")[1]
+            refusals = [r for r in caplog.records if r.levelno >= logging.ERROR and r.name.startswith("gpu_npd.kube")]
+            assert len(refusals) == 1, [r.getMessage() for r in refusals]
+            line = refusals[0].getMessage()
+            assert "forbids gpu-npd to patch nodes/status" in line and "get nodes, patch nodes/status" in line
+            assert narrow.request_count(verb="patch", resource="nodes/status") <= 2   # asked again rarely
+        finally:
+            local.stop()
+        assert local.exit_code == EXIT_OK and "Traceback" not in caplog.text
+
+
+def test_api_down_for_the_first_minutes_checks_run_and_report_when_it_returns(running, emulator, caplog):
+    """The acceptance drill, scaled by 1/20: the API server unreachable for the first 3 minutes (9 s), an
+    XID at minute 1 (3 s), one outage warning a minute (3 s), backoff capped at 30 s (1.5 s)."""
+    scale = 1 / 20
+    caplog.set_level(logging.INFO, logger="gpu_npd")
+    settings = fast_settings(backoff_base_s=0.5 * scale, backoff_cap_s=30 * scale, start_wait_s=300 * scale)
+    settings.reporter.outage_log_every_s = 60 * scale
+    emulator.create_node("gpu-out", labels={"nvidia.com/gpu.present": "true"})
+    emulator.down(duration_s=180 * scale)
+    t0 = time.monotonic()
+    local = running(name="gpu-out", settings=settings)
+    address = local.daemon.endpoints.address
+    health: list[int] = []
+    xid_at = t0 + 60 * scale
+    injected = False
+    metrics_during_outage = ""
+    while time.monotonic() - t0 < 180 * scale - 0.3:
+        health.append(get(address, "/healthz")[0])
+        if not injected and time.monotonic() >= xid_at:
+            local.node.inject(Fault("xid", gpu=5, params={"code": 79}))
+            injected = True
+        if injected and not metrics_during_outage:
+            text = get(address, "/metrics")[1]
+            if 'gpu_npd_problem_gauge{reason="Xid79GpuFellOffBus",type="GpuXidError"} 1.0' in text:
+                metrics_during_outage = text
+        time.sleep(0.05)
+    assert not emulator.is_up and injected
+    assert metrics_during_outage, "the XID never reached /metrics while the API server was down"
+    assert "gpu_npd_reporting 0.0" in metrics_during_outage
+    assert get(address, "/readyz")[0] == 503
+    assert local.wait_for(lambda: emulator.is_up, 5)
+    back = time.monotonic()
+    assert local.wait_for(lambda: status(local, "GpuXidError") == "True", 10), local.conditions()
+    delay = time.monotonic() - back
+    assert delay < 2 * 30 * scale + 0.5, f"{delay:.1f}s after the API server came back"
+    assert "0000:" in local.conditions()["GpuXidError"]["message"]
+    assert local.wait_for(lambda: get(address, "/readyz") == (200, "ok\n"), 5)
+    assert set(health) == {200} and len(health) > 50
+    outage = [r.getMessage() for r in caplog.records
+              if r.name == "gpu_npd.kube" and r.levelno >= logging.WARNING]
+    assert 1 <= len(outage) <= 5, outage
+    assert "API server unavailable" in outage[0]
+    assert any("available again" in r.getMessage() for r in caplog.records if r.name == "gpu_npd.kube")
 
 
 def test_heartbeat_refreshes_without_moving_transition_time(running, emulator):

@@ -253,11 +253,11 @@ def test_daemonset_runs_on_every_gpu_node_tainted_or_not(daemonset):
     assert daemonset["spec"]["updateStrategy"] == {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": "10%"}}
 
 
-def test_daemonset_probes_hit_healthz_on_the_metrics_port(daemonset):
+def test_daemonset_liveness_is_healthz_and_readiness_is_readyz_on_the_metrics_port(daemonset):
     container = only_container(daemonset)
     assert {"name": "metrics", "containerPort": METRICS_PORT, "protocol": "TCP"} in container["ports"]
-    for probe in ("livenessProbe", "readinessProbe"):
-        assert container[probe]["httpGet"] == {"path": "/healthz", "port": "metrics"}, probe
+    for probe, path in (("livenessProbe", "/healthz"), ("readinessProbe", "/readyz")):
+        assert container[probe]["httpGet"] == {"path": path, "port": "metrics"}, probe
         assert container[probe]["periodSeconds"] >= 5 and container[probe]["timeoutSeconds"] >= 1
 
 

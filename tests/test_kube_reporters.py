@@ -137,13 +137,31 @@ def test_failures_back_off_honour_retry_after_and_coalesce_to_the_latest_state()
     assert final["status"] == "False" and len(api.calls) == 3
 
 
-def test_forbidden_is_raised_not_retried():
-    api, clock = ScriptedApi(errors=[ApiError(403, "Forbidden", "cannot patch resource nodes/status")]), Clock()
+@pytest.mark.parametrize("status", [401, 403, 404])
+def test_a_refusal_is_asked_again_rarely_and_the_latest_state_then_goes(status):
+    api, clock = ScriptedApi(errors=[ApiError(status, "Refused", "no")]), Clock()
     r = reporter(api, clock)
+    r.backoff.refused_s = 300.0
     r.update([xid(True)])
-    with pytest.raises(ApiError) as e:
-        r.flush()
-    assert e.value.forbidden
+    assert not r.flush()                                      # no exception: the daemon goes on
+    assert r.due_at() - clock.now == 300.0                    # not the 1-8 s backoff of an outage
+    clock.now += 299.0
+    r.update([xid(False)])
+    assert r.flush() and len(api.calls) == 1                  # still waiting
+    clock.now += 1.0
+    assert r.flush() and sent_conditions(api)[-1][0]["status"] == "False"
+
+
+def test_a_refused_event_waits_as_long_and_keeps_its_count():
+    api, clock = ScriptedApi(errors=[ApiError(403, "Forbidden", "no")]), Clock()
+    events = EventReporter(api, "n1", clock, EventSettings(), random.Random(1),
+                           Backoff(1.0, 8.0, random.Random(1), refused_s=300.0))
+    events.record("Warning", "Xid79", "XID 79", 2)
+    assert not events.flush() and events.due_at() == clock.now + 300.0
+    events.record("Warning", "Xid79", "XID 79", 1)
+    clock.now += 300.0
+    assert events.flush()
+    assert [body["count"] for verb, body in api.calls if verb == "create-event"] == [2, 3]   # refused, then sent
 
 
 def test_condition_message_is_bounded():

@@ -237,3 +237,29 @@ def test_gpu_npd_simulate_runs_a_fleet_and_takes_faults_over_http(tmp_path):
     finally:
         proc.terminate()
         assert proc.wait(15) == 0
+
+
+@pytest.mark.parametrize("trouble, expected", [
+    ("no-binding", "cannot register the fleet's nodes: the API server forbids gpu-npd to create nodes (403 Forbidden): "
+                   "grant it as deploy/kwok/rbac.yaml does"),
+    ("bad-token", "cannot register the fleet's nodes: the API server does not accept gpu-npd's credentials "
+                  "(create nodes: 401 Unauthorized"),
+    ("down", "cannot register the fleet's nodes: create nodes: no response ConnectionFailed"),
+])
+def test_simulate_says_an_api_refusal_in_one_line(tmp_path, capsys, trouble, expected):
+    from detector.cli.main import main
+
+    fleet_file = tmp_path / "fleet.yaml"
+    fleet_file.write_text("version: 1\nnodes:\n  - {scenario: h100-sxm-8, count: 2, name: 'n-{index}'}\n")
+    with Emulator(rbac_paths=(REPO_DEPLOY,)) as emu:           # the DaemonSet's RBAC only: no simulator binding
+        kubeconfig = emu.write_kubeconfig(tmp_path / "kubeconfig", user=SIMULATOR_USER)
+        if trouble == "bad-token":
+            kubeconfig.write_text(kubeconfig.read_text().replace(emu.token_for(SIMULATOR_USER), "not-a-token"))
+        if trouble == "down":
+            emu.down()
+        code = main(["simulate", "--fleet", str(fleet_file), "--kubeconfig", str(kubeconfig),
+                     "--listen", "127.0.0.1:0", "--duration", "1"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert f"gpu-npd: error: {expected}" in err, err
+    assert "Traceback" not in err

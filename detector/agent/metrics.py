@@ -3,6 +3,8 @@ several agents can live in one process). Names follow node-problem-detector wher
 
 from __future__ import annotations
 
+from typing import Callable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from detector.agent.active import ConditionStatus
@@ -36,6 +38,12 @@ class AgentMetrics(AgentSink):
                                     "response code ('error': no response)", ["verb", "resource", "code"],
                                     registry=r)
         self._active: dict[str, str | None] = {}
+
+    def reporting_from(self, judge: Callable[[], bool]) -> None:
+        """`gpu_npd_reporting`: 1 while reports reach the API server (the daemon's /readyz), read at scrape."""
+        Gauge("gpu_npd_reporting", "1 while conditions and events reach the Kubernetes API server; 0 while it "
+              "is unreachable or refuses (problems are still in these metrics and the log)",
+              registry=self.registry).set_function(lambda: 1.0 if judge() else 0.0)
 
     def conditions(self, statuses: list[ConditionStatus]) -> None:
         for s in statuses:

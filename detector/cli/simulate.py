@@ -16,6 +16,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 DEFAULT_LISTEN = "127.0.0.1:9809"
 SIMULATOR_USER = "system:serviceaccount:gpu-npd:gpu-npd-simulator"
+SIMULATOR_RBAC = ("deploy/kwok/rbac.yaml does (get, list and create nodes, patch nodes/status, create and "
+                  "patch events)")
 
 
 def add_simulate_parser(sub: Any) -> None:
@@ -62,7 +64,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from detector.cli.main import BUILTIN_RULES, UsageError, describe_rules, load_ruleset, rule_sources
     from detector.core.check import CheckRegistry
     from detector.daemon.endpoints import Endpoints
-    from detector.kube.api import ConfigError, KubeApi
+    from detector.kube.api import ApiError, ConfigError, KubeApi
+    from detector.kube.health import ApiHealth
     from detector.sim.faultlog import FaultLog
     from detector.sim.fleet import Fleet, FleetSettings
     from detector.sim.fleetfile import load_fleet
@@ -109,7 +112,12 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     endpoints.start()
     print(f"gpu-npd simulate: /metrics, /healthz and /faults on http://{endpoints.address}", file=sys.stderr)
     try:
-        fleet.start(progress=lambda message: print(f"gpu-npd simulate: {message}", file=sys.stderr, flush=True))
+        try:
+            fleet.start(progress=lambda message: print(f"gpu-npd simulate: {message}", file=sys.stderr, flush=True))
+        except ApiError as e:             # registering or adopting nodes: nothing to simulate without them
+            raise UsageError(f"cannot register the fleet's nodes: {e.explain(SIMULATOR_RBAC)}") from None
+        # From here on the API server's troubles are said once for the whole fleet, and never stop it.
+        api.health = ApiHealth(logging.getLogger("gpu_npd.sim"), rbac_hint=SIMULATOR_RBAC)
         stop.wait(args.duration)
     finally:
         fleet.stop()

@@ -1,4 +1,4 @@
-"""/metrics and /healthz on one small HTTP server (stdlib; no framework needed for two paths)."""
+"""/metrics, /healthz and /readyz on one small HTTP server (stdlib; no framework needed for three paths)."""
 
 from __future__ import annotations
 
@@ -20,11 +20,15 @@ def parse_listen(address: str) -> tuple[str, int]:
     return host or "0.0.0.0", int(port)
 
 
-class Endpoints:
-    """`health()` returns (ok, text): the daemon's own judgement of whether it is working."""
+Judgement = Callable[[], tuple[bool, str]]
 
-    def __init__(self, address: str, registry: CollectorRegistry, health: Callable[[], tuple[bool, str]],
-                 routes: Mapping[tuple[str, str], Route] | None = None):
+
+class Endpoints:
+    """`health()` (liveness, /healthz and /livez) and `readiness()` (/readyz) return (ok, text): the
+    daemon's own judgement. Readiness defaults to liveness."""
+
+    def __init__(self, address: str, registry: CollectorRegistry, health: Judgement,
+                 readiness: Judgement | None = None, routes: Mapping[tuple[str, str], Route] | None = None):
         endpoints = self
         extra = dict(routes or {})
 
@@ -44,10 +48,11 @@ class Endpoints:
                 elif self.path.split("?")[0] == "/metrics":
                     self._send(200, generate_latest(endpoints.registry), CONTENT_TYPE_LATEST)
                 elif self.path.split("?")[0] in ("/healthz", "/livez", "/readyz"):
-                    ok, text = endpoints.health()
+                    judge = endpoints.readiness if self.path.startswith("/readyz") else endpoints.health
+                    ok, text = judge()
                     self._send(200 if ok else 503, (text + "\n").encode(), "text/plain; charset=utf-8")
                 else:
-                    self._send(404, b"not found: try /metrics or /healthz\n", "text/plain; charset=utf-8")
+                    self._send(404, b"not found: try /metrics, /healthz or /readyz\n", "text/plain; charset=utf-8")
 
             def _send(self, code: int, body: bytes, content_type: str) -> None:
                 self.send_response(code)
@@ -59,7 +64,7 @@ class Endpoints:
             def log_message(self, *args: object) -> None:
                 pass                                 # scrapes every 15 s would drown the daemon's own logs
 
-        self.registry, self.health = registry, health
+        self.registry, self.health, self.readiness = registry, health, readiness or health
         self.server = ThreadingHTTPServer(parse_listen(address), Handler)
         self.server.daemon_threads = True
         self.thread = threading.Thread(target=self.server.serve_forever, name="endpoints", daemon=True)

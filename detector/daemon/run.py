@@ -4,9 +4,10 @@
 - kernel-log watcher: blocks until the log has new lines, then wakes the scheduler for the xid check;
 - prober (only with long-running checks such as the NCCL probe): runs them on their own schedule, so a
   five-minute probe never delays an XID;
-- sender: sends conditions and events when they change or are due, backing off when the API server is
-  unwell, so a slow API server never delays a check;
-- endpoints: /metrics and /healthz.
+- sender: reads the node, then sends conditions and events when they change or are due, backing off when
+  the API server is unwell, so a slow, absent or refusing API server never delays a check;
+- endpoints: /metrics, /healthz (the daemon's own loops are turning: an API outage never gets the pod
+  killed) and /readyz (reports are reaching the API server).
 SIGTERM sets `stop`; every loop wakes within a second and the daemon exits within a few seconds.
 """
 
@@ -26,14 +27,15 @@ from detector.core.check import Check
 from detector.core.sweep import Host
 from detector.core.types import Problem
 from detector.daemon.endpoints import Endpoints
-from detector.kube.api import ApiError, KubeApi
+from detector.kube.api import KubeApi
 from detector.kube.conditions import MARKER, MESSAGE_LIMIT
+from detector.kube.health import ApiHealth, ReportingState
 from detector.kube.reporter import KubeReporter, ReporterSettings
 from detector.rules.loader import RuleSet
 
 log = logging.getLogger("gpu_npd.daemon")
 
-EXIT_OK, EXIT_FORBIDDEN = 0, 3
+EXIT_OK = 0
 STALL_S = 120.0          # /healthz fails when the scheduler has not come round for this long
 
 
@@ -71,8 +73,11 @@ class Daemon:
         self.metrics = AgentMetrics()
         rng = random.Random()
         self.reporter = None
+        self.api_health: ApiHealth | None = None
         if api is not None:
             api.counts.listener = self.metrics.api_request
+            self.api_health = api.health = ApiHealth(logging.getLogger("gpu_npd.kube"),
+                                                     self.settings.reporter.outage_log_every_s)
             self.reporter = KubeReporter(api, host.node_name, sorted(ruleset.types()), self.settings.reporter,
                                          clock, rng)
         sinks = [self.metrics, LogSink()] + ([self.reporter] if self.reporter else [])
@@ -83,26 +88,34 @@ class Daemon:
         self._xid_done = threading.Event()
         self._last_loop = time.monotonic()
         self._split_lanes = any(c.long_running for c in self.agent.checks)
-        self.fatal: str | None = None
-        self.endpoints = Endpoints(self.settings.listen, self.metrics.registry, self.health)
+        self.metrics.reporting_from(lambda: self.readiness()[0])
+        self.endpoints = Endpoints(self.settings.listen, self.metrics.registry, self.health, self.readiness)
 
     def health(self) -> tuple[bool, str]:
-        if self.fatal:
-            return False, f"failing: {self.fatal}"
+        """Liveness: the daemon's own loops are turning. Never the API server's state."""
         stalled = time.monotonic() - self._last_loop
         if stalled > STALL_S:
             return False, f"failing: the check scheduler has not run for {stalled:.0f}s"
         return True, "ok"
 
+    def readiness(self) -> tuple[bool, str]:
+        """Readiness: alive, and reports reach the API server (always, with no API server configured)."""
+        alive, text = self.health()
+        if not alive:
+            return alive, text
+        state = self.api_health.state() if self.api_health else ReportingState(True, "ok")
+        return state.reporting, state.detail
+
     def run(self) -> int:
-        """Block until `stop` is set (SIGTERM) or a permission is missing; returns the exit code."""
+        """Block until `stop` is set (SIGTERM, SIGINT); returns the exit code. An API server that is down or
+        refuses (401, 403, no such node) never ends the daemon: checks, metrics and logs go on, the log says
+        what is wrong, /readyz fails, and reports resume when it is fixed."""
         self.endpoints.start()
         log.info("gpu-npd on node %s: %d checks, %d rules, metrics and health on http://%s",
                  self.host.node_name, len(self.agent.checks), len(self.agent.ruleset.rules), self.endpoints.address)
         threads = []
         try:
             if self.reporter is not None:
-                self.reporter.start(sleep=self.stop.wait, stopping=self.stop.is_set)
                 threads.append(self._spawn("sender", self._send_loop))
             if self._split_lanes:
                 threads.append(self._spawn("prober", self._probe_loop))
@@ -111,8 +124,6 @@ class Daemon:
                     and hasattr(reader, "wait") and any(c.name == "xid" for c in self.agent.checks)):
                 threads.append(self._spawn("kernel-log", self._watch_kernel_log))
             self._schedule_loop()
-        except ApiError as e:
-            self._fail(e)
         finally:
             self.stop.set()
             self._kick.set()
@@ -125,17 +136,12 @@ class Daemon:
             self.endpoints.stop()
             self.host.close()
         log.info("stopped")
-        return EXIT_FORBIDDEN if self.fatal else EXIT_OK
+        return EXIT_OK
 
     def _spawn(self, name: str, target: Callable[[], None]) -> threading.Thread:
         t = threading.Thread(target=target, name=name, daemon=True)
         t.start()
         return t
-
-    def _fail(self, e: ApiError) -> None:
-        self.fatal = f"the API server refused a request: {e.message}"
-        log.error("%s; stopping", self.fatal)
-        self.stop.set()
 
     # -- loops ----------------------------------------------------------------------------------
 
@@ -190,16 +196,13 @@ class Daemon:
             self.reporter.wake.clear()
             try:
                 self.reporter.flush()
-            except ApiError as e:
-                self._fail(e)
-                self._kick.set()
             except Exception:  # noqa: BLE001
                 log.exception("sending to the API server failed")
 
     def _final_flush(self) -> None:
         """On the way out, one last try to send what changed (bounded by the request timeout)."""
-        if self.reporter is None or self.fatal:
-            return
+        if self.reporter is None or not self.readiness()[0]:
+            return                       # not reaching the API server: do not hold up the exit
         try:
             self.reporter.flush()
         except Exception as e:  # noqa: BLE001

@@ -18,6 +18,7 @@ from urllib.parse import quote
 import urllib3
 
 from detector.kube.connection import ConfigError, Connection, load_connection
+from detector.kube.health import RBAC_HINT, ApiHealth, refusal_line
 from detector.kube.pacing import TokenBucket
 
 EVENT_NAMESPACE = "default"     # where Kubernetes keeps events about cluster-scoped objects such as Nodes
@@ -28,13 +29,22 @@ USER_AGENT = "gpu-npd"
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, reason: str, message: str, retry_after_s: float | None = None):
+    def __init__(self, status: int, reason: str, message: str, retry_after_s: float | None = None,
+                 verb: str = "", resource: str = "", name: str = ""):
         super().__init__(f"{status or 'no response'} {reason}: {message}")
         self.status, self.reason, self.message, self.retry_after_s = status, reason, message, retry_after_s
+        self.verb, self.resource, self.name = verb, resource, name     # the request refused
+
+    def explain(self, rbac_hint: str = RBAC_HINT) -> str:
+        """One line for a person: what was refused and what to do, or what failed."""
+        if self.verb and self.refused and (self.status != 404 or self.resource.startswith("nodes")):
+            return refusal_line(self.verb, self.resource, self.status, self.message, self.name, rbac_hint)
+        return f"{self.verb} {self.resource}: {self}" if self.verb else str(self)
 
     @property
-    def forbidden(self) -> bool:
-        return self.status in (401, 403)
+    def refused(self) -> bool:
+        """Unauthorized, forbidden, or the object (our node) is not there: retrying soon cannot cure it."""
+        return self.status in (401, 403, 404)
 
     @property
     def retryable(self) -> bool:
@@ -59,9 +69,11 @@ class RequestCounts:
 class KubeApi:
     def __init__(self, connection: Connection, qps: float = 5.0, burst: int = 10,
                  counts: RequestCounts | None = None, sleep: Callable[[float], None] = time.sleep,
-                 pool: urllib3.PoolManager | None = None, pool_size: int = 4):
-        """`pool_size`: connections kept open; the fleet simulator shares one client among its workers."""
+                 pool: urllib3.PoolManager | None = None, pool_size: int = 4, health: ApiHealth | None = None):
+        """`pool_size`: connections kept open; the fleet simulator shares one client among its workers.
+        `health` hears every request's outcome (the daemon's outage log and readiness)."""
         self.connection = connection
+        self.health = health
         self.http = pool or connection.pool(pool_size)
         self.limiter = TokenBucket(qps, burst)
         self.counts = counts or RequestCounts()
@@ -74,7 +86,7 @@ class KubeApi:
         return cls(load_connection(kubeconfig), **kwargs)
 
     def get_node(self, name: str) -> dict[str, Any]:
-        return self._call("get", "nodes", "GET", f"/api/v1/nodes/{quote(name)}")
+        return self._call("get", "nodes", "GET", f"/api/v1/nodes/{quote(name)}", name=name)
 
     def list_nodes(self, label_selector: str = "") -> list[dict[str, Any]]:
         """The fleet simulator's adoption of existing (KWOK) nodes; the daemon never lists."""
@@ -87,7 +99,7 @@ class KubeApi:
 
     def patch_node_status(self, name: str, body: dict[str, Any]) -> dict[str, Any]:
         return self._call("patch", "nodes/status", "PATCH", f"/api/v1/nodes/{quote(name)}/status", body,
-                          STRATEGIC_MERGE)
+                          STRATEGIC_MERGE, name)
 
     def create_event(self, body: dict[str, Any], namespace: str = EVENT_NAMESPACE) -> dict[str, Any]:
         return self._call("create", "events", "POST", f"/api/v1/namespaces/{quote(namespace)}/events", body)
@@ -103,7 +115,7 @@ class KubeApi:
             self.limiter.try_take()
 
     def _call(self, verb: str, resource: str, method: str, path: str, body: Any = None,
-              content_type: str = "application/json") -> dict[str, Any]:
+              content_type: str = "application/json", name: str = "") -> dict[str, Any]:
         self._pace()
         headers = {"Accept": "application/json", "User-Agent": USER_AGENT}
         token = self.connection.bearer()
@@ -117,24 +129,36 @@ class KubeApi:
                                          timeout=REQUEST_TIMEOUT, retries=False, redirect=False)
         except (urllib3.exceptions.HTTPError, OSError) as e:
             self.counts.add(verb, resource, "error")
-            raise ApiError(0, "ConnectionFailed", f"{type(e).__name__}: {e}") from None
+            error = ApiError(0, "ConnectionFailed", f"{type(e).__name__}: {e}", None, verb, resource, name)
+            self._heard(error)
+            raise error from None
         self.counts.add(verb, resource, str(response.status))
-        if not 200 <= response.status < 300:
-            raise _api_error(response)
+        if 200 <= response.status < 300:
+            if self.health is not None:
+                self.health.record(verb, resource, response.status)
+        else:
+            error = _api_error(response, verb, resource, name)
+            self._heard(error)
+            raise error
         try:
             return json.loads(response.data) if response.data else {}
         except ValueError:
             raise ApiError(response.status, "BadResponse", "the API server's answer is not JSON") from None
 
 
-def _api_error(response: urllib3.BaseHTTPResponse) -> ApiError:
+    def _heard(self, error: ApiError) -> None:
+        if self.health is not None:
+            self.health.record(error.verb, error.resource, error.status, error.message, error.name)
+
+
+def _api_error(response: urllib3.BaseHTTPResponse, verb: str, resource: str, name: str) -> ApiError:
     message, reason = response.reason or "", "Error"
     try:
         status = json.loads(response.data or b"{}")
         message, reason = status.get("message", message), status.get("reason", reason) or reason
     except (ValueError, AttributeError):
         pass
-    return ApiError(response.status, reason, message, _retry_after(response.headers))
+    return ApiError(response.status, reason, message, _retry_after(response.headers), verb, resource, name)
 
 
 def _retry_after(headers: Any) -> float | None:

@@ -93,8 +93,8 @@ class ConditionReporter:
             return self._heartbeat_at if self._desired else None
 
     def flush(self) -> bool:
-        """Send the latest state if due. False when the API server did not take it (retried later);
-        raises ApiError only for a missing permission, which retrying cannot cure."""
+        """Send the latest state if due. False when the API server did not take it: retried after a
+        backoff, or after `backoff.refused_s` when it refused (a missing permission, no such node)."""
         now = self.clock()
         with self._lock:
             due = self._dirty or (self._heartbeat_at is not None and now >= self._heartbeat_at)
@@ -107,9 +107,7 @@ class ConditionReporter:
         except ApiError as e:
             with self._lock:
                 self.last_error, self._dirty = e, True
-                if e.forbidden:
-                    raise
-                self._retry_at = now + self.backoff.next_delay(e.retry_after_s)
+                self._retry_at = now + self.backoff.after(e.status, e.retry_after_s)
             return False
         with self._lock:
             self.patches += 1

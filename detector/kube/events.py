@@ -135,9 +135,7 @@ class EventReporter:
                 with self._lock:
                     self.last_error = e
                     self.stats.failed += 1
-                    if e.forbidden:
-                        raise
-                    self._retry_at = self.clock() + self.backoff.next_delay(e.retry_after_s)
+                    self._retry_at = self.clock() + self.backoff.after(e.status, e.retry_after_s)
                 return False
             with self._lock:
                 series.sent_count = count

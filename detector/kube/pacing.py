@@ -49,6 +49,13 @@ class Backoff:
     cap_s: float = 30.0
     rng: random.Random = field(default_factory=random.Random)
     failures: int = 0
+    refused_s: float = 300.0     # after a refusal (401, 403, 404): only a person's fix cures it, so ask rarely
+
+    def after(self, status: int, retry_after_s: float | None = None) -> float:
+        """The wait after a failed request with this HTTP status (0: no answer)."""
+        if status in (401, 403, 404):
+            return max(self.refused_s, retry_after_s or 0.0)
+        return self.next_delay(retry_after_s)
 
     def next_delay(self, retry_after_s: float | None = None) -> float:
         self.failures += 1

@@ -1,8 +1,8 @@
 """The agent's Kubernetes sink: conditions and events for one node, sent when due.
 
 `conditions`/`events` only record the latest state and return at once; `flush` (called by the
-daemon's sender thread, or by the fleet's shared scheduler) does the talking. So a slow or absent API
-server delays reports but never stalls the checks.
+daemon's sender thread, or by the fleet's shared scheduler) does the talking, reading the node first. So a
+slow, absent or refusing API server delays reports but never stalls the checks.
 """
 
 from __future__ import annotations
@@ -29,9 +29,11 @@ log = logging.getLogger("gpu_npd.kube")
 class ReporterSettings:
     heartbeat_s: float = 300.0          # node-problem-detector's --k8s-exporter-heartbeat-period
     heartbeat_jitter: float = 0.1
-    start_wait_s: float = 300.0         # wait this long for the API server at start, then carry on
+    start_wait_s: float = 300.0         # conditions wait this long for the node to be read, then go without
     backoff_base_s: float = 0.5
     backoff_cap_s: float = 30.0
+    refused_retry_s: float = 300.0      # after a 401/403/404: ask again this rarely
+    outage_log_every_s: float = 60.0    # while the API server is away, one warning this often at most
     events: EventSettings = field(default_factory=EventSettings)
 
 
@@ -43,34 +45,41 @@ class KubeReporter(AgentSink):
         rng = rng or random.Random()
         s = self.settings
         self.condition_out = ConditionReporter(api, node, owned_types, clock, s.heartbeat_s, s.heartbeat_jitter,
-                                               rng, Backoff(s.backoff_base_s, s.backoff_cap_s, rng))
-        self.event_out = EventReporter(api, node, clock, s.events, rng, Backoff(s.backoff_base_s, s.backoff_cap_s, rng))
+                                               rng, self._backoff(rng))
+        self.event_out = EventReporter(api, node, clock, s.events, rng, self._backoff(rng))
         self.wake = threading.Event()       # set whenever something is waiting to be sent
         self.on_pending: Callable[[], None] | None = None
-        self.started = False
+        self.started = False                # the node's conditions were read (or given up on)
+        self._first_try: float | None = None
+        self._adopt_at = 0.0
+        self._adopt_backoff = self._backoff(rng)
 
-    # -- start ----------------------------------------------------------------------------------
+    def _backoff(self, rng: random.Random) -> Backoff:
+        s = self.settings
+        return Backoff(s.backoff_base_s, s.backoff_cap_s, rng, refused_s=s.refused_retry_s)
 
-    def start(self, sleep: Callable[[float], None] = time.sleep, stopping: Callable[[], bool] = lambda: False) -> None:
-        """Read the node's conditions before writing any. Retries for `start_wait_s`, then carries on
-        without them; raises ApiError when a permission is missing or the node does not exist."""
-        deadline = self.clock() + self.settings.start_wait_s
-        backoff = Backoff(self.settings.backoff_base_s, self.settings.backoff_cap_s)
-        while not stopping():
-            try:
-                self.condition_out.adopt(self.api.get_node(self.node))
+    # -- reading the node first ------------------------------------------------------------------
+
+    def _adopt(self) -> bool:
+        """Read the node's conditions before writing any (so ours keep their transition times and stale
+        ones are pruned). Retried with backoff; after `start_wait_s` of failures, carry on without them."""
+        now = self.clock()
+        if self._first_try is None:
+            self._first_try = now
+        if now < self._adopt_at:
+            return False
+        try:
+            self.condition_out.adopt(self.api.get_node(self.node))
+        except ApiError as e:
+            if not e.refused and now - self._first_try >= self.settings.start_wait_s:
+                log.warning("could not read node %s for %.0fs (%s); writing conditions without its current ones",
+                            self.node, now - self._first_try, e)
                 self.started = True
-                return
-            except ApiError as e:
-                if e.forbidden or e.status == 404:
-                    raise
-                delay = backoff.next_delay(e.retry_after_s)
-                if self.clock() + delay > deadline:
-                    log.warning("API server unreachable for %.0fs (%s); carrying on without the node's "
-                                "current conditions", self.settings.start_wait_s, e)
-                    return
-                log.warning("cannot read node %s yet (%s); retrying in %.1fs", self.node, e, delay)
-                sleep(delay)
+                return True
+            self._adopt_at = now + self._adopt_backoff.after(e.status, e.retry_after_s)
+            return False
+        self.started = True
+        return True
 
     # -- the sink -------------------------------------------------------------------------------
 
@@ -104,20 +113,18 @@ class KubeReporter(AgentSink):
     # -- sending --------------------------------------------------------------------------------
 
     def due_at(self) -> float | None:
+        if not self.started:
+            return self._adopt_at
         times = [t for t in (self.condition_out.due_at(), self.event_out.due_at()) if t is not None]
         return min(times) if times else None
 
     def flush(self) -> None:
-        """Send what is due. Raises ApiError only for a missing permission."""
+        """Send what is due; never raises for the API server's sake. Failures are retried later (the
+        client's ApiHealth says them in the log)."""
+        if not self.started and not self._adopt():
+            return
         for out in (self.condition_out, self.event_out):
-            try:
-                out.flush()
-            except ApiError as e:
-                raise ApiError(e.status, e.reason, f"{e.message} (gpu-npd needs exactly the permissions in "
-                               "deploy/base/rbac.yaml: get nodes, patch nodes/status, create and patch events)",
-                               ) from None
-            if out.last_error is not None:
-                log.warning("API request failed, will retry: %s", out.last_error)
+            out.flush()
 
 
 def _event_type(severity: Severity | None) -> str:

@@ -33,7 +33,6 @@ KWOK_ANNOTATION = "kwok.x-k8s.io/node"
 KWOK_TAINT = {"key": "kwok.x-k8s.io/node", "value": "fake", "effect": "NoSchedule"}
 SCENARIO_LABEL = "gpu-npd.io/scenario"
 RACK_LABEL = "gpu-npd.io/rack"
-RETRY_S = 30.0
 # Every kernel line in a fleet comes from a fault the fleet injects, and an injection runs the node's
 # checks at once, so the xid check needs no 5-second polling here.
 FLEET_CHECK_DEFAULTS: dict[str, dict[str, Any]] = {"xid": {"interval": 300.0}}
@@ -53,10 +52,9 @@ class FleetSettings:
 class SimNode:
     """One simulated node: its fake GPUs, the daemon's agent and reporter, and its two tasks."""
 
-    def __init__(self, spec: SimNodeSpec, fake: FakeNode, agent: NodeAgent, reporter: KubeReporter,
-                 stopping: threading.Event):
+    def __init__(self, spec: SimNodeSpec, fake: FakeNode, agent: NodeAgent, reporter: KubeReporter):
         self.spec, self.fake, self.agent, self.reporter = spec, fake, agent, reporter
-        self.checks_task = _ChecksTask(self, stopping)
+        self.checks_task = _ChecksTask(self)
         self.send_task = _SendTask(self)
 
     @property
@@ -65,22 +63,14 @@ class SimNode:
 
 
 class _ChecksTask(Task):
-    def __init__(self, node: SimNode, stopping: threading.Event):
+    def __init__(self, node: SimNode):
         super().__init__()
-        self.node, self.stopping = node, stopping
+        self.node = node
         self.name = f"checks of {node.name}"
 
     def run(self) -> float | None:
-        agent, reporter = self.node.agent, self.node.reporter
-        if not reporter.started:
-            try:
-                reporter.start(sleep=self.stopping.wait, stopping=self.stopping.is_set)
-            except ApiError as e:
-                log.error("node %s: %s; retrying in %.0fs", self.node.name, e, RETRY_S)
-                return agent.clock() + RETRY_S
-            reporter.started = True            # carried on without the node's conditions if it timed out
-        agent.run_due()
-        return agent.next_due()
+        self.node.agent.run_due()
+        return self.node.agent.next_due()
 
 
 class _SendTask(Task):
@@ -90,15 +80,9 @@ class _SendTask(Task):
         self.name = f"reports of {node.name}"
 
     def run(self) -> float | None:
-        reporter = self.node.reporter
-        if not reporter.started:
-            return None                        # woken again when the checks task has read the node
-        try:
-            reporter.flush()
-        except ApiError as e:
-            log.error("node %s: %s", self.node.name, e.message)
-            return reporter.clock() + RETRY_S
-        return reporter.due_at()
+        """Reads the node first, then sends; the shared client's ApiHealth says what fails, once."""
+        self.node.reporter.flush()
+        return self.node.reporter.due_at()
 
 
 class _FaultsTask(Task):
@@ -213,7 +197,7 @@ class Fleet:
         rng = random.Random(self.rng.random())
         reporter = KubeReporter(self.api, spec.name, self._owned_types, self.settings.reporter, self.clock, rng)
         agent = NodeAgent(host, checks, self.ruleset, [reporter], self._agent_settings, self.clock, rng)
-        node = SimNode(spec, fake, agent, reporter, self.stopping)
+        node = SimNode(spec, fake, agent, reporter)
         reporter.on_pending = lambda: self.scheduler.wake(node.send_task)
         return node
 

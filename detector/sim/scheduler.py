@@ -50,7 +50,8 @@ class Scheduler:
         with self._cond:
             self._cond.notify_all()
         for t in self._threads:
-            t.join(timeout_s)
+            if t.is_alive():                 # never started when the fleet failed to register its nodes
+                t.join(timeout_s)
 
     def wake(self, task: Task, when: float | None = None) -> None:
         """Run `task` at `when` (default: now), unless it is already due sooner."""

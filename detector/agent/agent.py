@@ -19,9 +19,10 @@ from typing import Callable, Iterable, Sequence
 
 from detector.agent.active import ActiveProblems, ConditionStatus
 from detector.core.check import Check
+from detector.core.gpu_health import GpuHealth, gpu_health, gpu_key
 from detector.core.inventory import Inventory
 from detector.core.sweep import CheckRun, Host, SweepResult, run_sweep
-from detector.core.types import Problem
+from detector.core.types import GpuRef, Problem
 from detector.rules.engine import RuleEngine
 from detector.rules.loader import RuleSet
 from detector.rules.model import MESSAGE_LIMIT
@@ -45,6 +46,9 @@ class AgentSink:
 
     def sweep(self, result: SweepResult, problems: list[Problem]) -> None:
         """Every sweep and what its rules found (metrics)."""
+
+    def gpus(self, health: list[GpuHealth]) -> None:
+        """Every GPU the node has had, judged by the problems it has now; after every sweep."""
 
 
 @dataclass
@@ -75,6 +79,7 @@ class NodeAgent:
         self._ran: set[str] = set()
         self._judged: set[str] = set()
         self._inventory: tuple[float, Inventory] | None = None
+        self._known_gpus: dict[str, GpuRef] = {}   # every GPU seen: one lost from NVML keeps its row
         self._lock = threading.Lock()          # the schedule
         self._judging = threading.Lock()       # what runs concluded: held problems, sinks
         self.warnings: list[str] = []
@@ -116,6 +121,8 @@ class NodeAgent:
     def _conclude(self, result: SweepResult, fresh_inventory: bool) -> list[Problem]:
         if fresh_inventory:
             self._inventory = (time.monotonic(), result.inventory)
+            for gpu in result.inventory.gpus:
+                self._known_gpus[gpu_key(gpu.ref())] = gpu.ref()
         now, boot = self.clock(), self.host.current_boot()
         changed = self.active.expire(now, boot) | self._take_clear_request()
         problems: list[Problem] = []
@@ -135,11 +142,17 @@ class NodeAgent:
             for sink in self.sinks:
                 sink.conditions(statuses)
         events = [p for p in problems if p.report == "event"]
+        health = self.gpu_health()
         for sink in self.sinks:
             if events:
                 sink.events(events)
             sink.sweep(result, problems)
+            sink.gpus(health)
         return problems
+
+    def gpu_health(self) -> list[GpuHealth]:
+        """Each GPU's state from the problems held now (conditions, not one-off events)."""
+        return gpu_health(self._known_gpus.values(), (l.problem for l in self.active.latches.values()))
 
     def _retry_soon(self, run: CheckRun) -> None:
         if run.retry_after_s is None:

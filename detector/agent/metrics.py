@@ -9,6 +9,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from detector.agent.active import ConditionStatus
 from detector.agent.agent import AgentSink
+from detector.core.gpu_health import STATE_VALUE, GpuHealth, gpu_key
 from detector.core.sweep import SweepResult
 from detector.core.types import Problem
 
@@ -38,6 +39,11 @@ class AgentMetrics(AgentSink):
                                     "response code ('error': no response)", ["verb", "resource", "code"],
                                     registry=r)
         self._active: dict[str, str | None] = {}
+        self.gpu_state = Gauge("gpu_npd_gpu_health", "Each GPU's state from the problems naming it now: 0 healthy, "
+                               "1 degraded (a warning), 2 failed (a critical problem); `action` is the recommended "
+                               "action for that GPU (NONE when healthy)",
+                               ["gpu", "uuid", "pci_bus_id", "state", "action"], registry=r)
+        self._gpu_series: dict[str, tuple[str, ...]] = {}
 
     def reporting_from(self, judge: Callable[[], bool]) -> None:
         """`gpu_npd_reporting`: 1 while reports reach the API server (the daemon's /readyz), read at scrape."""
@@ -79,6 +85,18 @@ class AgentMetrics(AgentSink):
                                        (self.pcie_gen, "current_gen")):
                         if obs.fields.get(key) is not None:
                             gauge.labels(gpu, bus).set(obs.fields[key])
+
+    def gpus(self, health: list[GpuHealth]) -> None:
+        """One series per GPU; its labels change with its state, so the old series goes."""
+        for h in health:
+            key = gpu_key(h.gpu)
+            labels = ("" if h.gpu.index is None else str(h.gpu.index), h.gpu.uuid or "", h.gpu.pci_bus_id or "",
+                      h.state, h.action)
+            before = self._gpu_series.get(key)
+            if before is not None and before != labels:
+                self.gpu_state.remove(*before)
+            self.gpu_state.labels(*labels).set(STATE_VALUE[h.state])
+            self._gpu_series[key] = labels
 
     def _nccl(self, probe: dict, when: float) -> None:
         """The probe's gauges exist from its first run on: a node where it is off (the default) exports

@@ -1,0 +1,68 @@
+"""One state per GPU, from the problems that name it: so dashboards and alerts count bad GPUs, not nodes.
+
+A GPU is `failed` while a critical problem names it, `degraded` while a warning does, else `healthy`;
+its `action` is the most demanding recommended action among those problems (NONE when healthy).
+Informational problems leave a GPU healthy. Problems that name no GPU (the driver is not loaded, NVML
+hangs) are the node's, shown by its conditions, and are not spread over its GPUs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+from detector.core.types import GpuRef, Problem, Severity, action_strength
+
+HEALTHY, DEGRADED, FAILED = "healthy", "degraded", "failed"
+STATE_VALUE = {HEALTHY: 0, DEGRADED: 1, FAILED: 2}
+_BY_SEVERITY = {Severity.CRITICAL: FAILED, Severity.WARNING: DEGRADED}
+
+
+@dataclass(frozen=True)
+class GpuHealth:
+    gpu: GpuRef
+    state: str                       # healthy, degraded or failed
+    action: str                      # the recommended action for this GPU now; NONE when healthy
+    reasons: tuple[str, ...] = ()    # the reasons of the problems naming it, most urgent first
+
+
+def gpu_key(ref: GpuRef) -> str:
+    """The same GPU across runs: its bus id, else its UUID, else its index."""
+    return ref.pci_bus_id or ref.uuid or ("" if ref.index is None else f"index:{ref.index}")
+
+
+def gpu_health(gpus: Iterable[GpuRef], problems: Iterable[Problem]) -> list[GpuHealth]:
+    """Every GPU in `gpus` (those known to be there), plus any GPU a problem names that is not among
+    them (a GPU lost from NVML), each judged by the problems naming it. Sorted by index, then bus id."""
+    refs: dict[str, GpuRef] = {}
+    for ref in gpus:
+        if key := gpu_key(ref):
+            refs.setdefault(key, ref)
+    naming: dict[str, list[Problem]] = {}
+    for problem in problems:
+        for ref in problem.gpus:
+            key = _match(ref, refs)
+            if key:
+                refs.setdefault(key, ref)
+                naming.setdefault(key, []).append(problem)
+    return sorted((_judge(refs[key], naming.get(key, [])) for key in refs),
+                  key=lambda h: (h.gpu.index is None, h.gpu.index or 0, h.gpu.pci_bus_id or ""))
+
+
+def _match(ref: GpuRef, known: dict[str, GpuRef]) -> str:
+    """The key of the known GPU this reference means (by bus id, UUID or index), else its own key."""
+    for key, other in known.items():
+        if (ref.pci_bus_id and ref.pci_bus_id == other.pci_bus_id) or (ref.uuid and ref.uuid == other.uuid) or \
+                (not ref.pci_bus_id and not ref.uuid and ref.index is not None and ref.index == other.index):
+            return key
+    return gpu_key(ref)
+
+
+def _judge(ref: GpuRef, problems: list[Problem]) -> GpuHealth:
+    serious = sorted((p for p in problems if p.severity in _BY_SEVERITY),
+                     key=lambda p: (-action_strength(p.action), -p.severity.rank, p.reason))
+    if not serious:
+        return GpuHealth(ref, HEALTHY, "NONE")
+    reasons = tuple(dict.fromkeys(p.reason for p in serious))
+    worst = max(serious, key=lambda p: p.severity.rank)
+    return GpuHealth(ref, _BY_SEVERITY[worst.severity], serious[0].action, reasons)

@@ -1,0 +1,94 @@
+"""Per-GPU health: one state and one recommended action per GPU, from the problems naming it, in
+the core and in the daemon's metrics (gpu_npd_gpu_health)."""
+
+from __future__ import annotations
+
+from conftest import Clock, node_for
+from detector.agent.agent import AgentSettings, NodeAgent
+from detector.agent.metrics import AgentMetrics
+from detector.cli.main import builtin_rules_dir
+from detector.config import build_checks
+from detector.core.check import CheckRegistry
+from detector.core.gpu_health import DEGRADED, FAILED, HEALTHY, gpu_health
+from detector.core.types import GpuRef, Problem, Severity
+from detector.rules.loader import load_rules
+from fake_nvml.faults import Fault
+from fake_nvml.host import fake_host
+
+GPU0 = GpuRef(0, "GPU-a", "0000:18:00.0")
+GPU1 = GpuRef(1, "GPU-b", "0000:2a:00.0")
+
+
+def problem(reason: str, severity: Severity, action: str, *gpus: GpuRef) -> Problem:
+    return Problem("r-" + reason, "c", "T", reason, reason, severity, action, "condition", gpus)
+
+
+def by_bus(health):
+    return {h.gpu.pci_bus_id: h for h in health}
+
+
+def test_the_worst_severity_sets_the_state_and_the_most_demanding_action_leads():
+    health = by_bus(gpu_health([GPU0, GPU1], [
+        problem("PcieLinkWidthDegraded", Severity.WARNING, "CHECK_PCIE", GpuRef(1, None, "0000:2a:00.0")),
+        problem("Xid13", Severity.WARNING, "RESTART_APP", GPU1),
+        problem("Informational", Severity.INFO, "IGNORE", GPU0),
+    ]))
+    assert (health["0000:18:00.0"].state, health["0000:18:00.0"].action) == (HEALTHY, "NONE")
+    g1 = health["0000:2a:00.0"]
+    assert (g1.state, g1.action, g1.reasons) == (DEGRADED, "CHECK_PCIE", ("PcieLinkWidthDegraded", "Xid13"))
+    assert g1.gpu == GPU1                                    # the inventory's full identity, not the problem's
+
+
+def test_a_critical_problem_fails_the_gpu_and_a_gpu_nvml_lost_keeps_a_row():
+    lost = GpuRef(None, "GPU-c", "0000:ab:00.0")               # found on the PCI bus, not in NVML
+    health = gpu_health([GPU0], [problem("GpuNotVisibleToNvml", Severity.CRITICAL, "RESTART_BM", lost),
+                                 problem("Xid31", Severity.WARNING, "RESTART_APP", GpuRef(0))])
+    assert [(h.gpu.pci_bus_id, h.state, h.action) for h in health] == [
+        ("0000:18:00.0", DEGRADED, "RESTART_APP"), ("0000:ab:00.0", FAILED, "RESTART_BM")]
+
+
+def test_node_wide_and_unnamed_problems_are_not_spread_over_the_gpus():
+    health = gpu_health([GPU0, GPU1], [problem("NvmlDriverNotLoaded", Severity.CRITICAL, "CHECK_DRIVER"),
+                                       problem("Xid79", Severity.CRITICAL, "RESTART_BM", GpuRef(None))])
+    assert {h.state for h in health} == {HEALTHY} and len(health) == 2
+
+
+def test_metrics_have_one_series_per_gpu_that_follows_its_state():
+    registry_ = CheckRegistry.from_entry_points()
+    node = node_for("h100-sxm-8")
+    metrics = AgentMetrics()
+    rules = load_rules([builtin_rules_dir()], registry_.fields_by_check())
+    clock = Clock()
+    agent = NodeAgent(fake_host(node, threaded=False), build_checks(registry_, ["visibility", "pcie", "xid"], {}),
+                      rules, [metrics], AgentSettings(start_spread_s=0.0), clock=clock)
+
+    def series() -> dict[str, tuple[dict[str, str], float]]:
+        out = {}
+        for family in metrics.registry.collect():
+            if family.name == "gpu_npd_gpu_health":
+                for sample in family.samples:
+                    assert sample.labels["pci_bus_id"] not in out, "two series for one GPU"
+                    out[sample.labels["pci_bus_id"]] = (sample.labels, sample.value)
+        return out
+
+    agent.run_due()
+    healthy = series()
+    assert len(healthy) == 8 and {v for _, v in healthy.values()} == {0.0}
+    assert {l["state"] for l, _ in healthy.values()} == {"healthy"} and all(l["uuid"] for l, _ in healthy.values())
+
+    node.inject(Fault("pcie", gpu=1, params={"width": 8}))
+    node.inject(Fault("xid", gpu=3, params={"code": 79}))
+    clock.now += 60
+    agent.run_due()
+    now = series()
+    assert len(now) == 8
+    bad = {labels["gpu"]: (labels["state"], labels["action"], value) for labels, value in now.values()
+           if labels["state"] != "healthy"}
+    assert bad["3"][0] == "failed" and bad["3"][2] == 2.0 and bad["3"][1] == "RESTART_BM"
+    assert bad["1"][0] in ("degraded", "failed") and bad["1"][2] >= 1.0
+    assert set(bad) == {"1", "3"}
+    node.inject(Fault("recover", gpu=1))
+    node.inject(Fault("reboot"))                               # XID 79 is held until a reboot
+    clock.now += 60
+    agent.run_due()
+    assert {(l["state"], v) for l, v in series().values()} == {("healthy", 0.0)} and len(series()) == 8

@@ -6,13 +6,13 @@ import argparse
 import json
 import logging
 import os
-import signal
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from detector.agent.agent import CLEAR_RESULT_FILE, PROBLEMS_FILE, AgentSettings, write_clear_request
+from detector.cli.signals import on_stop_signals
 from detector.daemon.logs import setup_logging
 from detector.daemon.run import Daemon, DaemonSettings
 from detector.kube.events import EventSettings
@@ -132,8 +132,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     except OSError as e:
         host.close()
         raise UsageError(f"--listen {args.listen}: {e.strerror or e}") from None
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda *_: daemon.stop.set())
+    on_stop_signals(lambda signum: daemon.stop.set())      # a second one exits at once
     return daemon.run()
 
 

@@ -9,6 +9,7 @@ import argparse
 import json
 import os
 import sys
+import threading
 from importlib import resources
 from pathlib import Path
 from typing import Sequence
@@ -17,6 +18,7 @@ from detector import __version__
 from detector.backends.select import BackendError, open_host
 from detector.checks.xid.logfiles import LogNotFound, saved_logs
 from detector.cli.render import Diagnosis, render_table
+from detector.cli.signals import Interrupted, on_stop_signals, restore
 from detector.config import build_checks, load_check_settings
 from detector.core.check import CheckRegistry
 from detector.core.sweep import run_sweep
@@ -47,14 +49,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return EXIT_USAGE
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    previous = on_stop_signals() if in_main_thread else {}   # long-running commands install their own
     try:
         return args.func(args)
     except (UsageError, SourceError, BackendError, KeyError, ValueError) as e:
         message = e.args[0] if isinstance(e, KeyError) and e.args else e
         print(f"gpu-npd: error: {message}", file=sys.stderr)
         return EXIT_USAGE
-    except KeyboardInterrupt:
-        return 130
+    except KeyboardInterrupt as e:
+        return e.exit_code if isinstance(e, Interrupted) else 130
+    finally:
+        restore(previous)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -6,7 +6,6 @@ import argparse
 import json
 import logging
 import os
-import signal
 import sys
 import threading
 from pathlib import Path
@@ -62,6 +61,7 @@ def add_simulate_parser(sub: Any) -> None:
 
 def cmd_simulate(args: argparse.Namespace) -> int:
     from detector.cli.main import BUILTIN_RULES, UsageError, describe_rules, load_ruleset, rule_sources
+    from detector.cli.signals import on_stop_signals
     from detector.core.check import CheckRegistry
     from detector.daemon.endpoints import Endpoints
     from detector.kube.api import ApiError, ConfigError, KubeApi
@@ -107,8 +107,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                           routes={("GET", "/faults"): lambda body: _json(200, fault_log.records()),
                                   ("POST", "/faults"): lambda body: _inject(fleet, body)})
     stop = threading.Event()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda *_: stop.set())
+    on_stop_signals(lambda signum: stop.set())              # a second one exits at once
     endpoints.start()
     print(f"gpu-npd simulate: /metrics, /healthz and /faults on http://{endpoints.address}", file=sys.stderr)
     try:

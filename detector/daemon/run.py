@@ -1,6 +1,6 @@
 """The daemon: one node agent, driven by three small threads, reporting to Kubernetes and Prometheus.
 
-- scheduler (the caller's thread): runs checks when due, or at once when the kernel log has news;
+- scheduler: runs checks when due, or at once when the kernel log has news;
 - kernel-log watcher: blocks until the log has new lines, then wakes the scheduler for the xid check;
 - prober (only with long-running checks such as the NCCL probe): runs them on their own schedule, so a
   five-minute probe never delays an XID;
@@ -8,7 +8,8 @@
   the API server is unwell, so a slow, absent or refusing API server never delays a check;
 - endpoints: /metrics, /healthz (the daemon's own loops are turning: an API outage never gets the pod
   killed) and /readyz (reports are reaching the API server).
-SIGTERM sets `stop`; every loop wakes within a second and the daemon exits within a few seconds.
+SIGTERM sets `stop`; every loop wakes within a second and the daemon exits within a few seconds, abandoning
+a sweep stuck in a hung NVML call.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from detector.agent.active import ConditionStatus
 from detector.agent.agent import AgentSettings, AgentSink, NodeAgent
 from detector.agent.metrics import AgentMetrics
 from detector.core.check import Check
+from detector.core.deadline import Hung, call_with_deadline
 from detector.core.sweep import Host
 from detector.core.types import Problem
 from detector.daemon.endpoints import Endpoints
@@ -37,6 +39,8 @@ log = logging.getLogger("gpu_npd.daemon")
 
 EXIT_OK = 0
 STALL_S = 120.0          # /healthz fails when the scheduler has not come round for this long
+SHUTDOWN_WAIT_S = 2.0    # on SIGTERM, how long the loops get to finish before they are abandoned
+FINAL_SEND_S = 4.0       # ... and the last send; the DaemonSet's grace period is 10 s
 
 
 @dataclass
@@ -113,30 +117,45 @@ class Daemon:
         self.endpoints.start()
         log.info("gpu-npd on node %s: %d checks, %d rules, metrics and health on http://%s",
                  self.host.node_name, len(self.agent.checks), len(self.agent.ruleset.rules), self.endpoints.address)
-        threads = []
+        threads = [self._spawn("scheduler", self._schedule_loop)]
+        if self.reporter is not None:
+            threads.append(self._spawn("sender", self._send_loop))
+        if self._split_lanes:
+            threads.append(self._spawn("prober", self._probe_loop))
+        reader = self.host.kernel_log
+        if (self.settings.watch_kernel_log and reader is not None and getattr(reader, "wait_is_cheap", True)
+                and hasattr(reader, "wait") and any(c.name == "xid" for c in self.agent.checks)):
+            threads.append(self._spawn("kernel-log", self._watch_kernel_log))
         try:
-            if self.reporter is not None:
-                threads.append(self._spawn("sender", self._send_loop))
-            if self._split_lanes:
-                threads.append(self._spawn("prober", self._probe_loop))
-            reader = self.host.kernel_log
-            if (self.settings.watch_kernel_log and reader is not None and getattr(reader, "wait_is_cheap", True)
-                    and hasattr(reader, "wait") and any(c.name == "xid" for c in self.agent.checks)):
-                threads.append(self._spawn("kernel-log", self._watch_kernel_log))
-            self._schedule_loop()
+            while not self.stop.wait(1.0):
+                pass
         finally:
-            self.stop.set()
-            self._kick.set()
-            wake = getattr(self.host.kernel_log, "wake", None)
-            if wake:
-                wake()
-            for t in threads:
-                t.join(timeout=5)
-            self._final_flush()
-            self.endpoints.stop()
-            self.host.close()
+            self._shut_down(threads)
         log.info("stopped")
         return EXIT_OK
+
+    def _shut_down(self, threads: list[threading.Thread]) -> None:
+        """Every loop wakes within a second. A sweep stuck in a hung NVML call or nvidia-smi is abandoned
+        (its thread is a daemon thread; child processes are killed at exit), so stopping never waits
+        on the GPU that is the reason for stopping."""
+        self.stop.set()
+        self._kick.set()
+        wake = getattr(self.host.kernel_log, "wake", None)
+        if wake:
+            wake()
+        deadline = time.monotonic() + SHUTDOWN_WAIT_S
+        for t in threads:
+            t.join(timeout=max(0.0, deadline - time.monotonic()))
+        stuck = [t.name for t in threads if t.is_alive()]
+        if stuck:
+            log.warning("stopping without waiting for %s (a check is still running: hung NVML or nvidia-smi?)",
+                        ", ".join(stuck))
+        self._final_flush()
+        self.endpoints.stop()
+        try:
+            call_with_deadline(self.host.close, SHUTDOWN_WAIT_S, "closing the GPU backend")
+        except Hung:
+            log.warning("closing the GPU backend hung; exiting without it")
 
     def _spawn(self, name: str, target: Callable[[], None]) -> threading.Thread:
         t = threading.Thread(target=target, name=name, daemon=True)
@@ -204,6 +223,6 @@ class Daemon:
         if self.reporter is None or not self.readiness()[0]:
             return                       # not reaching the API server: do not hold up the exit
         try:
-            self.reporter.flush()
-        except Exception as e:  # noqa: BLE001
+            call_with_deadline(self.reporter.flush, FINAL_SEND_S, "the final send")
+        except Exception as e:  # noqa: BLE001 - Hung included: the pod's grace period is short
             log.warning("final send failed: %s", e)

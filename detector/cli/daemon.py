@@ -32,17 +32,21 @@ def add_daemon_parsers(sub: Any) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="The DaemonSet's process. Runs every check on its interval (the xid check at once when the\n"
                     "kernel log has new lines), applies the rules, and keeps the node's gpu-npd conditions and\n"
-                    "events current. Serves /metrics and /healthz. Stops cleanly on SIGTERM or SIGINT.\n"
+                    "events current. Checks never wait for the API server: while it is down or refuses, problems\n"
+                    "still show in /metrics and the log, and reports catch up when it is back. Serves /metrics,\n"
+                    "/healthz (liveness: the daemon's own loops) and /readyz (reports reach the API server).\n"
+                    "Stops within seconds on SIGTERM or SIGINT, even while NVML hangs; a second one exits at once.\n"
                     "Settings come from flags, or the environment variables named in brackets.",
         epilog="examples:\n"
                "  gpu-npd run                                       # in a pod: in-cluster config, $NODE_NAME\n"
                "  gpu-npd run --kubeconfig ~/.kube/config --node-name gpu-17\n"
                "  gpu-npd run --nvml fake:h100-sxm-8 --kubeconfig emulator.kubeconfig --node-name demo\n"
                "  gpu-npd run --nvml fake:h100-sxm-8 --no-kube      # metrics and logs only")
-    r.add_argument("--node-name", default=_env("NODE_NAME"), help="this node [NODE_NAME]; required")
+    r.add_argument("--node-name", default=_env("NODE_NAME"), help="this node's Kubernetes name [NODE_NAME]; required, with --no-kube "
+                                                             "too (it names the node in logs and messages)")
     r.add_argument("--kubeconfig", default=_env("KUBECONFIG"),
                    help="kubeconfig file [KUBECONFIG] (default: the pod's in-cluster service account)")
-    r.add_argument("--no-kube", action="store_true", help="report to metrics and logs only")
+    r.add_argument("--no-kube", action="store_true", help="report to metrics and logs only (still needs --node-name)")
     r.add_argument("--nvml", default=_env("GPU_NPD_NVML", "real"), metavar="BACKEND",
                    help="real, fake:SCENARIO or fake:PATH.yaml [GPU_NPD_NVML] (default: real)")
     r.add_argument("--rules", action="append", metavar="PATH",
@@ -52,7 +56,7 @@ def add_daemon_parsers(sub: Any) -> None:
                                                    "is opt-in: name it here or set checks.nccl.enabled)")
     r.add_argument("--config", type=Path, metavar="FILE", help="YAML settings: checks.<name>.interval|timeout|...")
     r.add_argument("--listen", default=_env("GPU_NPD_LISTEN", DEFAULT_LISTEN), metavar="HOST:PORT",
-                   help=f"/metrics and /healthz [GPU_NPD_LISTEN] (default: {DEFAULT_LISTEN})")
+                   help=f"/metrics, /healthz and /readyz [GPU_NPD_LISTEN] (default: {DEFAULT_LISTEN})")
     r.add_argument("--state-dir", type=Path, default=_env("GPU_NPD_STATE_DIR"), metavar="DIR",
                    help="keeps the kernel-log cursor and held problems across restarts [GPU_NPD_STATE_DIR] "
                         f"(the DaemonSet uses {DEFAULT_STATE_DIR}; default: none, nothing kept)")

@@ -92,7 +92,8 @@ class Daemon:
         self._xid_done = threading.Event()
         self._last_loop = time.monotonic()
         self._split_lanes = any(c.long_running for c in self.agent.checks)
-        self.metrics.reporting_from(lambda: self.readiness()[0])
+        if api is not None:                   # with --no-kube there is nothing to report to: no gauge
+            self.metrics.reporting_from(lambda: self.readiness()[0])
         self.endpoints = Endpoints(self.settings.listen, self.metrics.registry, self.health, self.readiness)
 
     def health(self) -> tuple[bool, str]:

@@ -1,6 +1,8 @@
 """Run the emulator as a process, for demos and for benchmarks that drive it from outside.
 
-Prints the base URL on stdout (so a script can read it) and runs until SIGINT or SIGTERM.
+Prints the base URL on stdout (so a script can read it) and runs until SIGINT or SIGTERM. It enforces
+deploy/base's RBAC: the copy packaged with gpu-npd (so it runs from any directory, and installed),
+or a checkout's with --deploy-dir, or any RBAC files with --rbac.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import threading
 from pathlib import Path
 from typing import Sequence
 
-from kube_emulator.rbac import ADMIN
+from kube_emulator.rbac import ADMIN, deploy_rbac, packaged_deploy_dir
 from kube_emulator.server import DEFAULT_USER, Emulator
 
 EXIT_OK, EXIT_USAGE = 0, 2
@@ -29,8 +31,14 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"write a kubeconfig for {DEFAULT_USER} here")
     parser.add_argument("--admin-kubeconfig-out", type=Path, metavar="FILE",
                         help="write a kubeconfig for the admin user (system:masters) here")
-    parser.add_argument("--rbac", type=Path, action="append", metavar="PATH",
-                        help="RBAC YAML file or directory; repeatable (default deploy/base)")
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument("--deploy-dir", type=Path, metavar="DIR",
+                       help="enforce the RBAC in DIR/base, DIR being a gpu-npd checkout's deploy/ directory "
+                            "(default: the copy of deploy/base/rbac.yaml packaged with gpu-npd, in "
+                            f"{packaged_deploy_dir()})")
+    where.add_argument("--rbac", type=Path, action="append", metavar="PATH",
+                       help="enforce the RBAC in these YAML files or directories instead; repeatable "
+                            "(--rbac deploy/base --rbac deploy/kwok adds the fleet simulator's)")
     parser.add_argument("--node", action="append", default=[], metavar="NAME",
                         help="create this node at start; repeatable")
     return parser
@@ -43,16 +51,31 @@ def parse_listen(value: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+def rbac_paths(rbac: Sequence[Path] | None, deploy_dir: Path | None) -> list[Path]:
+    """`--rbac` paths as given; else DIR/base of `--deploy-dir`; else the packaged copy of deploy/base."""
+    if rbac:
+        missing = [str(p) for p in rbac if not p.exists()]
+        if missing:
+            raise ValueError(f"RBAC path not found: {', '.join(missing)} (give --rbac FILE_OR_DIR)")
+        return list(rbac)
+    base = deploy_rbac("base", deploy_dir)
+    if deploy_dir is not None and not base.is_dir():
+        raise ValueError(f"--deploy-dir {deploy_dir}: no base/ directory in it (give the deploy/ directory of a "
+                         "gpu-npd checkout, or leave --deploy-dir out for the packaged RBAC)")
+    return [base]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     try:
         host, port = parse_listen(args.listen)
-        rbac = args.rbac or [Path("deploy/base")]
-        missing = [str(p) for p in rbac if not p.exists()]
-        if missing:
-            raise ValueError(f"RBAC path not found: {', '.join(missing)} (give --rbac FILE_OR_DIR)")
+        rbac = rbac_paths(args.rbac, args.deploy_dir)
         emulator = Emulator(rbac_paths=rbac)
+        if not emulator.authorizer.policy.bindings:
+            raise ValueError(f"no RBAC role bindings in {', '.join(map(str, rbac))}: every request but the "
+                             "admin's would be forbidden")
+        logging.getLogger("kube_emulator").info("kube-emulator RBAC from %s", ", ".join(map(str, rbac)))
     except (ValueError, OSError) as e:
         print(f"kube-emulator: error: {e}", file=sys.stderr)
         return EXIT_USAGE

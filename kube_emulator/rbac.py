@@ -9,6 +9,7 @@ from __future__ import annotations
 import secrets
 import threading
 from dataclasses import dataclass, field
+from importlib import resources
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
@@ -172,6 +173,20 @@ class Policy:
         subjects = tuple(Subject(str(s.get("kind", "")), str(s.get("name", "")),
                                  str(s.get("namespace") or bind_ns)) for s in doc.get("subjects") or [])
         self.bindings.append(Binding(name, bind_ns, ref["kind"], str(ref["name"]), subjects))
+
+
+def packaged_deploy_dir() -> Path:
+    """The RBAC of the repository's deploy/ directory as packaged with gpu-npd: `base/rbac.yaml` (the
+    DaemonSet's) and `kwok/rbac.yaml` (the fleet simulator's), byte for byte the same files (a test keeps
+    them so). With it the emulator enforces the deployed RBAC from any directory and from an installed
+    package, where there is no deploy/ directory."""
+    return Path(str(resources.files("kube_emulator") / "deploy"))
+
+
+def deploy_rbac(part: str = "base", deploy_dir: Path | None = None) -> Path:
+    """The RBAC directory `deploy/<part>` (`base` or `kwok`): under `deploy_dir` (a checkout's deploy/)
+    when given, else the packaged copy."""
+    return Path(deploy_dir if deploy_dir is not None else packaged_deploy_dir()) / part
 
 
 def load_policy(paths: Iterable[Path]) -> Policy:

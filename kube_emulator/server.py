@@ -20,7 +20,7 @@ import yaml
 
 from kube_emulator.faults import Decision, Faults
 from kube_emulator.patch import PATCH_TYPES, PatchError, UnsupportedPatchType, apply_patch
-from kube_emulator.rbac import (ADMIN, MASTERS, SA_PREFIX, Attributes, Authorizer, Tokens, User,
+from kube_emulator.rbac import (ADMIN, MASTERS, SA_PREFIX, Attributes, Authorizer, Tokens, User, deploy_rbac,
                                 forbidden_message, load_policy)
 from kube_emulator.stats import Stats
 from kube_emulator.store import (EVENTS, KINDS, NODES, ApiError, Kind, Store, bad_request, clone, rfc3339,
@@ -322,11 +322,12 @@ class Emulator:
     Several may run in one process: each has its own objects, tokens, RBAC, faults and stats.
     """
 
-    def __init__(self, rbac_paths: Sequence[Path] = (Path("deploy/base"),), clock: Callable[[], float] = time.time):
+    def __init__(self, rbac_paths: Sequence[Path] | None = None, clock: Callable[[], float] = time.time):
+        """`rbac_paths`: RBAC YAML files or directories (default: deploy/base's RBAC, as packaged)."""
         self.clock = clock
         self.store = Store(clock)
         self.tokens = Tokens()
-        self.authorizer = Authorizer(load_policy(rbac_paths))
+        self.authorizer = Authorizer(load_policy(rbac_paths if rbac_paths is not None else (deploy_rbac("base"),)))
         self.faults = Faults(clock)
         self._stats = Stats()
         self._lock = threading.RLock()

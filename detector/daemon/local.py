@@ -23,9 +23,12 @@ from fake_nvml.host import fake_host
 from fake_nvml.node import FakeNode
 from fake_nvml.scenario import load_scenario
 from kube_emulator import Emulator
+from kube_emulator.rbac import deploy_rbac
 
 SERVICE_ACCOUNT = "system:serviceaccount:gpu-npd:gpu-npd"
-REPO_DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "base"
+# deploy/base's RBAC as packaged with gpu-npd (kube_emulator/deploy/base/rbac.yaml, identical to the
+# repository's), so this works from any directory and installed; its parent holds kwok/ the same way.
+REPO_DEPLOY = deploy_rbac("base")
 
 
 @dataclass

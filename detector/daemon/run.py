@@ -141,6 +141,7 @@ class Daemon:
         on the GPU that is the reason for stopping."""
         self.stop.set()
         self._kick.set()
+        self._xid_done.set()
         wake = getattr(self.host.kernel_log, "wake", None)
         if wake:
             wake()

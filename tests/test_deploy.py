@@ -1,7 +1,8 @@
-"""deploy/ and the Dockerfile, checked offline: every manifest against the Kubernetes OpenAPI schema
+"""deploy/ and the Dockerfile, checked offline: every manifest file against the Kubernetes OpenAPI schema
 (kubernetes-validate bundles the schemas; strict, so an unknown or misspelt field is an error), the
 kustomizations, least-privilege RBAC, the DaemonSet's mounts, env, probes and resources, and the
-ConfigMap's files through the project's own loaders."""
+ConfigMap's files through the project's own loaders. These read the files as written; what kustomize
+renders from them (the overlays, components and replacements) is checked in test_deploy_render.py."""
 
 from __future__ import annotations
 
@@ -39,12 +40,23 @@ def no_network(monkeypatch):
 
 # --- Loading
 
-def manifest_files() -> list[Path]:
-    return sorted(p for p in DEPLOY.rglob("*") if p.suffix in (".yaml", ".yml") and p.stem != "kustomization")
-
-
 def kustomizations() -> list[Path]:
     return sorted(p for p in DEPLOY.rglob("*") if p.name in ("kustomization.yaml", "kustomization.yml"))
+
+
+def local_resources(kustomization: Path) -> list[Path]:
+    """The files a kustomization (or component) lists under `resources:`; directories are other
+    kustomizations, and patches are fragments, not objects."""
+    k = yaml.safe_load(kustomization.read_text(encoding="utf-8"))
+    return [kustomization.parent / r for r in k.get("resources", []) if (kustomization.parent / r).is_file()]
+
+
+def manifest_files() -> list[Path]:
+    return sorted({p for k in kustomizations() for p in local_resources(k)})
+
+
+# Custom resources: kubernetes-validate has no schema for them; test_deploy_render.py checks them.
+CUSTOM_KINDS = {"PodMonitor"}
 
 
 def documents(path: Path) -> list[dict]:
@@ -110,13 +122,15 @@ def test_deploy_has_the_expected_manifests():
         ("Namespace", "gpu-npd"), ("ServiceAccount", "gpu-npd"), ("ClusterRole", "gpu-npd"),
         ("ClusterRoleBinding", "gpu-npd"), ("ConfigMap", "gpu-npd-config"), ("DaemonSet", "gpu-npd"),
         ("Service", "gpu-npd-metrics"), ("Job", "gpu-npd-preflight"), ("Job", "gpu-npd-preflight-nccl"),
+        ("ConfigMap", "gpu-npd-preflight-settings"), ("ConfigMap", "gpu-npd-preflight-nccl-settings"),
+        ("PodMonitor", "gpu-npd"),
         ("ServiceAccount", "gpu-npd-simulator"), ("ClusterRole", "gpu-npd-simulator"),
         ("ClusterRoleBinding", "gpu-npd-simulator"), ("ConfigMap", "gpu-npd-fleet"),
         ("Deployment", "gpu-npd-simulator"), ("Node", "kwok-gpu-manual-0"), ("Node", "kwok-gpu-manual-1"),
     }
 
 
-@pytest.mark.parametrize("item", ALL_DOCS, ids=doc_id)
+@pytest.mark.parametrize("item", [d for d in ALL_DOCS if d[2]["kind"] not in CUSTOM_KINDS], ids=doc_id)
 def test_manifest_validates_against_the_kubernetes_schema(item):
     path, _, doc = item
     try:
@@ -150,23 +164,31 @@ def test_namespaced_objects_live_in_the_gpu_npd_namespace():
 # --- Kustomizations
 
 @pytest.mark.parametrize("kustomization", kustomizations(), ids=lambda p: str(p.relative_to(DEPLOY)))
-def test_kustomization_lists_every_file_of_its_directory(kustomization):
+def test_kustomization_uses_every_file_of_its_directory(kustomization):
+    """Every YAML file beside a kustomization is one of its resources or patches (none forgotten), every
+    reference resolves inside deploy/, and nothing is generated (no generators, no Helm)."""
     k = yaml.safe_load(kustomization.read_text(encoding="utf-8"))
-    assert k["apiVersion"] == "kustomize.config.k8s.io/v1beta1" and k["kind"] == "Kustomization"
-    assert not {"configMapGenerator", "secretGenerator", "helmCharts", "components", "bases"} & set(k), \
-        "plain resources only"
-    resources = k["resources"]
-    assert len(resources) == len(set(resources)), "a resource is listed twice"
-    for resource in resources:
-        assert "/" not in resource and "\\" not in resource, f"{resource}: resources stay in this directory"
-        assert (kustomization.parent / resource).is_file(), f"{resource}: no such file"
-    present = {p.name for p in kustomization.parent.iterdir()
-               if p.suffix in (".yaml", ".yml") and p.stem != "kustomization"}
-    assert set(resources) == present, f"left out of {kustomization.name}: {sorted(present - set(resources))}"
+    expected = (("kustomize.config.k8s.io/v1alpha1", "Component") if "components" in kustomization.parts
+                else ("kustomize.config.k8s.io/v1beta1", "Kustomization"))
+    assert (k["apiVersion"], k["kind"]) == expected
+    assert not {"configMapGenerator", "secretGenerator", "helmCharts", "bases", "vars"} & set(k), \
+        "plain resources, patches, components and replacements only"
+    here = kustomization.parent
+    references = list(k.get("resources", [])) + [p["path"] for p in k.get("patches", []) if "path" in p]
+    assert len(references) == len(set(references)), "a file is listed twice"
+    for reference in references + list(k.get("components", [])):
+        target = (here / reference).resolve()
+        assert target.is_relative_to(DEPLOY), f"{reference}: outside deploy/"
+        assert target.is_file() or (target / "kustomization.yaml").is_file(), f"{reference}: no such file"
+    present = {p.name for p in here.iterdir() if p.suffix in (".yaml", ".yml") and p.stem != "kustomization"}
+    assert present <= set(references), f"left out of {kustomization}: {sorted(present - set(references))}"
 
 
-def test_every_manifest_directory_has_a_kustomization():
-    assert {p.parent for p in manifest_files()} == {k.parent for k in kustomizations()}
+def test_every_directory_of_deploy_is_a_kustomization_or_component():
+    directories = {p for p in DEPLOY.rglob("*") if p.is_dir()}
+    groups = {DEPLOY / "overlays", DEPLOY / "components"}
+    assert directories - groups == {k.parent for k in kustomizations()}
+    assert {p.parent for p in manifest_files()} <= {k.parent for k in kustomizations()}
 
 
 def test_base_kustomization_lists_the_base():
@@ -218,7 +240,8 @@ def host_mounts(workload: dict) -> dict[str, tuple[dict, dict]]:
 
 def test_daemonset_host_mounts_are_read_only_except_the_state_directory(daemonset):
     mounts = host_mounts(daemonset)
-    assert set(mounts) == {"/dev/kmsg", "/sys", "/var/log", STATE_DIR}
+    # Only what a check reads: /dev/kmsg (xid), /sys (visibility and pcie, as --sysfs-root /host/sys).
+    assert set(mounts) == {"/dev/kmsg", "/sys", STATE_DIR}
     for host_path, (_, mount) in mounts.items():
         if host_path == STATE_DIR:
             assert not mount.get("readOnly", False), "the state directory must be writable"
@@ -245,11 +268,16 @@ def test_daemonset_node_name_comes_from_the_downward_api(daemonset):
 
 def test_daemonset_runs_on_every_gpu_node_tainted_or_not(daemonset):
     spec = pod_spec(daemonset)
-    assert spec["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+    assert "nodeSelector" not in spec, "nodes are chosen by nodeAffinity, labelled by GFD or NFD"
+    terms = spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+    gpu_labels = {e["key"] for term in terms for e in term["matchExpressions"] if e["operator"] == "In"}
+    assert {"nvidia.com/gpu.present", "feature.node.kubernetes.io/pci-10de.present"} <= gpu_labels
+    for term in terms:   # ORed terms, ANDed expressions: the KWOK exclusion must be in each one
+        assert {"key": "type", "operator": "NotIn", "values": ["kwok"]} in term["matchExpressions"], term
     tolerated = {(t["operator"], t.get("effect")) for t in spec["tolerations"] if "key" not in t}
     assert {("Exists", "NoSchedule"), ("Exists", "NoExecute")} <= tolerated
     assert spec["priorityClassName"] == "system-node-critical"
-    assert spec["runtimeClassName"] == "nvidia"
+    assert "runtimeClassName" not in spec, "optional: deploy/overlays/nvidia-runtime adds it"
     assert daemonset["spec"]["updateStrategy"] == {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": "10%"}}
 
 
@@ -331,10 +359,15 @@ def test_daemonset_args_parse_with_the_cli(daemonset):
 def test_preflight_job_shape(job):
     spec = pod_spec(job)
     assert job["spec"]["backoffLimit"] == 0 and job["spec"]["ttlSecondsAfterFinished"] == 3600
+    assert job["spec"]["activeDeadlineSeconds"] > 90      # past the checks' own timeouts (20 + 10 + 60 s)
     assert spec["restartPolicy"] == "Never"
     assert spec["automountServiceAccountToken"] is False and "serviceAccountName" not in spec
-    assert spec.get("nodeName") == "REPLACE-WITH-NODE" or "kubernetes.io/hostname" in spec.get("nodeSelector", {})
+    assert "nodeName" not in spec and "runtimeClassName" not in spec
+    [term] = spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+    assert term["matchFields"] == [{"key": "metadata.name", "operator": "In", "values": ["REPLACE-WITH-NODE"]}]
+    assert term["matchExpressions"] == [{"key": "type", "operator": "NotIn", "values": ["kwok"]}]
     container = only_container(job)
+    assert "command" not in container, "the image's entrypoint, gpu-npd, must be what exits"
     assert container["resources"]["limits"]["nvidia.com/gpu"] == 8
     assert container["securityContext"] == {"privileged": True, "runAsUser": 0, "readOnlyRootFilesystem": True}
     assert container["image"] == only_container(find("DaemonSet", "gpu-npd"))["image"]
@@ -342,7 +375,7 @@ def test_preflight_job_shape(job):
 
 def test_preflight_host_mounts_are_all_read_only(job):
     mounts = host_mounts(job)
-    assert set(mounts) == {"/dev/kmsg", "/sys", "/var/log"}
+    assert set(mounts) == {"/dev/kmsg", "/sys"}
     assert all(mount.get("readOnly") is True for _, mount in mounts.values())
     assert mounts["/sys"][1]["mountPath"] == "/host/sys"
 

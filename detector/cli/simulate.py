@@ -81,10 +81,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     logging.getLogger("gpu_npd").log(logging.WARNING if replaced else logging.INFO, describe_rules(ruleset))
     emulator = None
     if args.emulator:
-        from detector.daemon.local import REPO_DEPLOY
         from kube_emulator import Emulator
+        from kube_emulator.rbac import deploy_rbac
 
-        emulator = Emulator(rbac_paths=(REPO_DEPLOY, REPO_DEPLOY.parent / "kwok"))
+        emulator = Emulator(rbac_paths=(deploy_rbac("base"), deploy_rbac("kwok")))   # deploy/'s, as packaged
         emulator.start()
         kubeconfig = emulator.write_kubeconfig(Path(_tmpdir()) / "simulator.kubeconfig", user=SIMULATOR_USER)
         print(f"emulator at {emulator.url}", file=sys.stderr)

@@ -72,6 +72,27 @@ STUBS: dict[str, tuple[str, str]] = {
                    "a stand-in prints a saved one holding an XID 79",
                    "#!/bin/sh\ncat <<'EOF'\n" + "\n".join(KERNEL_LOG) + "\nEOF\n"),
 }
+# Only where the machine has no curl (a fresh machine needs only Python and make): `curl [-X M] [-d D] URL`.
+CURL_STAND_IN = f"""#!{sys.executable}
+import sys, urllib.error, urllib.request
+args, method, data, url = sys.argv[1:], None, None, None
+while args:
+    a = args.pop(0)
+    if a == "-X":
+        method = args.pop(0)
+    elif a == "-d":
+        data = args.pop(0).encode()
+    else:
+        url = a if "://" in a else "http://" + a
+opener = urllib.request.build_opener(urllib.request.ProxyHandler({{}}))
+try:
+    with opener.open(urllib.request.Request(url, data=data, method=method), timeout=30) as r:
+        sys.stdout.write(r.read().decode())
+except urllib.error.HTTPError as e:
+    sys.stdout.write(e.read().decode())
+except OSError as e:
+    sys.exit(f"curl: {{e}}")
+"""
 
 
 @dataclass(frozen=True)
@@ -341,8 +362,13 @@ def free_port() -> int:
 def working_copy(tmp: Path) -> Path:
     """Tracked and untracked (not ignored) files of the repository, as a fresh clone has them."""
     work = tmp / "repo"
-    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO,
-                            capture_output=True, check=True).stdout.decode().split("\0")
+    try:
+        listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO,
+                                capture_output=True, check=True).stdout.decode().split("\0")
+    except (OSError, subprocess.CalledProcessError):         # not a git checkout: everything but build outputs
+        shutil.copytree(REPO, work, symlinks=True, ignore=shutil.ignore_patterns(
+            ".git", ".venv", "__pycache__", "*.egg-info", ".pytest_cache", ".ruff_cache", "build", "dist"))
+        listed = []
     for name in filter(None, listed):
         source = REPO / name
         if not source.exists() and not source.is_symlink():          # deleted in the work tree
@@ -396,7 +422,10 @@ def environment(tmp: Path, work: Path, values: dict) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in DROPPED_ENV and not k.startswith("GPU_NPD_")}
     stubs = tmp / "stubs"
     stubs.mkdir()
-    for name, (_, script) in STUBS.items():
+    scripts = {name: script for name, (_, script) in STUBS.items()}
+    if shutil.which("curl") is None:
+        scripts["curl"] = CURL_STAND_IN
+    for name, script in scripts.items():
         (stubs / name).write_text(script)
         (stubs / name).chmod(0o755)
     for name in ("home", "tmp"):

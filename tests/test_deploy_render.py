@@ -725,3 +725,62 @@ def test_components_compose_in_a_kustomization_of_ones_own(kubectl, tmp_path):
     for doc in docs:
         if doc["kind"] not in CUSTOM_RESOURCES:
             kubernetes_validate.validate(doc, K8S_VERSIONS[0], strict=True)
+
+
+# --- The README's Deploying section
+
+def readme_deploying() -> str:
+    text = (REPO / "README.md").read_text(encoding="utf-8")
+    start = text.index("## Deploying\n")
+    return text[start:text.index("\n## ", start + 1)]
+
+
+def test_readme_names_only_kustomizations_that_exist():
+    section = readme_deploying()
+    named = set(re.findall(r"kubectl (?:apply -k|kustomize) (deploy/[\w./-]+)", section))
+    assert named, "the Deploying section shows no kubectl apply -k"
+    assert named <= {f"deploy/{name_of(v)}" for v in VARIANTS}, sorted(named)
+    for path in re.findall(r"`(deploy/[\w./-]+)`", section):
+        assert (REPO / path.rstrip("/")).exists(), f"README names {path}, which does not exist"
+
+
+def test_readme_site_kustomization_renders(kubectl, tmp_path):
+    """The README's own kustomization, beside a copy of deploy/ as it says, renders and validates."""
+    [block] = re.findall(r"```yaml\n(apiVersion: kustomize[^`]*?kind: Kustomization\n.*?)```", readme_deploying(),
+                         re.S)
+    copy_of_deploy(tmp_path)
+    site = tmp_path / "my-site"
+    site.mkdir()
+    (site / "kustomization.yaml").write_text(block, encoding="utf-8")
+    docs = render(kubectl, site)
+    daemonset = one(docs, "DaemonSet", "gpu-npd")
+    assert only_container(daemonset)["image"] == "registry.example/gpu-npd:0.1.0"
+    assert pod_spec(daemonset)["runtimeClassName"] == "nvidia"
+    one(docs, "PodMonitor", "gpu-npd")
+    for doc in docs:
+        if doc["kind"] not in CUSTOM_RESOURCES:
+            kubernetes_validate.validate(doc, K8S_VERSIONS[0], strict=True)
+
+
+# --- Resources against the footprint budget
+
+def mebibytes(quantity: str) -> float:
+    m = re.fullmatch(r"(\d+)(Mi|Gi)", quantity)
+    assert m, quantity
+    return int(m[1]) * (1024 if m[2] == "Gi" else 1)
+
+
+def millicores(quantity: str) -> float:
+    return float(quantity[:-1]) if quantity.endswith("m") else float(quantity) * 1000
+
+
+@pytest.mark.parametrize("name", sorted(DAEMON_VARIANTS))
+def test_daemon_requests_cover_the_footprint_budget(kubectl, name):
+    """DESIGN section 8's budget (bench/footprint.py checks the daemon against it): RSS <= 60 MiB and
+    CPU <= 5 millicores at steady state. A daemon within budget stays within its requests, and the
+    limits leave room above them."""
+    resources = only_container(one(variant(kubectl, name), "DaemonSet", "gpu-npd"))["resources"]
+    assert mebibytes(resources["requests"]["memory"]) >= 60
+    assert millicores(resources["requests"]["cpu"]) >= 5
+    assert mebibytes(resources["limits"]["memory"]) >= 4 * 60
+    assert millicores(resources["limits"]["cpu"]) >= 10 * millicores(resources["requests"]["cpu"])

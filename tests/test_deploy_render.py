@@ -85,6 +85,12 @@ def kubectl() -> str:
     return path
 
 
+def test_kubectl_is_installed():
+    """Not a skip: CI runs `make test`, which installs it, so a missing kubectl is a broken setup."""
+    assert find_kubectl(), ("kubectl not found at .venv/tools/kubectl nor on PATH: run `make kubectl` "
+                            "(`make test` runs it) to install it, then run the tests again")
+
+
 _rendered: dict[str, list[dict]] = {}
 
 

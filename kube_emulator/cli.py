@@ -21,9 +21,9 @@ from kube_emulator.server import DEFAULT_USER, Emulator
 EXIT_OK, EXIT_USAGE = 0, 2
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(prog: str = "python -m kube_emulator") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="kube-emulator",
+        prog=prog,
         description="An in-process Kubernetes API server (core/v1 nodes and events) with the project's RBAC.")
     parser.add_argument("--listen", default="127.0.0.1:0", metavar="HOST:PORT",
                         help="address to listen on; port 0 picks a free one (default %(default)s)")
@@ -65,8 +65,9 @@ def rbac_paths(rbac: Sequence[Path] | None, deploy_dir: Path | None) -> list[Pat
     return [base]
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def main(argv: Sequence[str] | None = None, prog: str = "python -m kube_emulator") -> int:
+    """`prog`: how the user called it (`gpu-npd emulator` hands its own name in)."""
+    args = build_parser(prog).parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     try:
         host, port = parse_listen(args.listen)

@@ -43,7 +43,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv[:1] == ["emulator"]:                 # its own parser and --help
         from kube_emulator.cli import main as emulator_main
 
-        return emulator_main(argv[1:])
+        return emulator_main(argv[1:], prog="gpu-npd emulator")
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):

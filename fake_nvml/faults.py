@@ -29,6 +29,11 @@ XID_TEXT: dict[int, str] = {
 }
 
 
+# What `recover` (a GPU reset, or with no GPU a node repair) and `reboot` do to the state the newer checks
+# keep: fn(state, the GPUs recovered, whole_node). Each check's fake state adds its own (below).
+RECOVERY_HOOKS: list[Callable[["NodeState", "list[FakeGpu]", bool], None]] = []
+
+
 @dataclass(frozen=True)
 class FaultKind:
     """A kind of fault: which parameters it takes and what it does to the node."""
@@ -156,6 +161,8 @@ def _recover(f: Fault, state: "NodeState", gpu: "FakeGpu | None", node: "FakeNod
     if gpu is None:
         state.driver_loaded, state.smi_hang_s, state.nccl_busbw_factor = True, 0.0, 1.0
         state.nccl_hang_s, state.nccl_wrong = 0.0, 0
+    for heal in RECOVERY_HOOKS:            # each check's fake state heals its own way
+        heal(state, gpus, gpu is None)
 
 
 def _reboot(f: Fault, state: "NodeState", gpu: "FakeGpu | None", node: "FakeNode") -> None:
@@ -196,6 +203,11 @@ FAULT_KINDS: dict[str, FaultKind] = {k.name: k for k in (
               "an all-reduce returns this many wrong elements (silent data corruption)"),
     FaultKind("kernel_line", False, {"message": str, "priority": int}, ("message",), _kernel_line,
               "an arbitrary kernel log line (SXid lines, noise)"),
+    # -- memory faults (the memory check) --
+    # -- driver plumbing faults (the driver check) --
+    # -- thermal and power faults (the thermal check) --
+    # -- NVLink and fabric faults (the nvlink and fabric checks) --
+    # -- InfiniBand faults (the infiniband check) --
     FaultKind("recover", False, {}, (), _recover,
               "reset a GPU (with gpu) or repair the node (without) back to healthy"),
     FaultKind("reboot", False, {}, (), _reboot,

@@ -12,12 +12,14 @@ from detector.backends.pci import SysfsPciBus
 from detector.backends.smi import SmiOutcome, SubprocessSmi
 from detector.core.inventory import nvml_error_name
 from detector.core.sweep import Host
+from fake_nvml.infiniband import fake_infiniband
 from fake_nvml.kmsg import FakeKmsgDevice
 from fake_nvml.nccl import FakeNcclProbe
 from fake_nvml.node import FakeNode
 from fake_nvml.nvml import FakeNvml
 from fake_nvml.pci import FakePciBus
 from fake_nvml.smi import run_smi
+from fake_nvml.system import fake_system
 
 
 class InProcessSmi:
@@ -57,6 +59,9 @@ def fake_host(node: FakeNode, *, sysfs_root: Path | None = None, smi_command: li
         if init_error is None:
             nvml.nvmlShutdown()
 
-    return Host(node.name, nvml, smi, pci, nvml_init_error=init_error, kernel_log=kernel_log,
+    host = Host(node.name, nvml, smi, pci, nvml_init_error=init_error, kernel_log=kernel_log,
                 boot_id=kmsg.boot_id, threaded=threaded, close=close, boot_source=lambda: node.boot_id,
                 nccl_probe=FakeNcclProbe(node))
+    host.infiniband = fake_infiniband(node)
+    host.system = fake_system(node)
+    return host

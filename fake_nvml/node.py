@@ -7,7 +7,7 @@ import copy
 import threading
 import time
 import uuid
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Callable
 
 from fake_nvml.faults import Fault
@@ -44,6 +44,10 @@ class FakeGpu:
     remap_failure: bool = False
     nvlinks_down: list[int] = field(default_factory=list)
     persistence_mode: bool = True
+    # -- memory state (the memory check: ECC, retired pages, row remapping) --
+    # -- thermal and power state (the thermal check) --
+    # -- NVLink and fabric state (the nvlink and fabric checks) --
+    # -- identity --
     # Fault state.
     lost: bool = False               # NVML raises GPU_IS_LOST for this GPU
     nvml_visible: bool = True        # False: on the PCI bus, but the driver never attached
@@ -106,31 +110,38 @@ class NodeState:
     nccl_hang_s: float = 0.0         # the NCCL probe hangs this long (a wedged collective)
     nccl_wrong: int = 0              # elements an all-reduce gets wrong (silent data corruption)
     boot_id: str = "00000000-0000-0000-0000-000000000000"
+    # -- node-level state of the driver plumbing check (kernel modules, device files, services) --
+    # -- node-level state of the fabric check (fabric manager) --
+    # -- node-level state of the infiniband check (HCA ports) --
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "name": self.name, "driver_version": self.driver_version, "cuda_version": self.cuda_version,
-            "gpus": [g.to_dict() for g in self.gpus],
-            "nvswitches": [s.pci_bus_id for s in self.nvswitches],
-            "driver_loaded": self.driver_loaded, "smi_hang_s": self.smi_hang_s,
-            "nccl_busbw_factor": self.nccl_busbw_factor, "nccl_hang_s": self.nccl_hang_s,
-            "nccl_wrong": self.nccl_wrong, "boot_id": self.boot_id,
-        }
+        """Every field, as JSON: nested dataclasses become dicts (`from_dict` rebuilds them)."""
+        d = asdict(self)
+        d["gpus"] = [g.to_dict() for g in self.gpus]
+        d["nvswitches"] = [s.pci_bus_id for s in self.nvswitches]
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "NodeState":
-        return cls(
-            name=d["name"], driver_version=d["driver_version"], cuda_version=d["cuda_version"],
-            gpus=[FakeGpu.from_dict(g) for g in d["gpus"]],
-            nvswitches=[NvSwitch(b) for b in d.get("nvswitches", [])],
-            driver_loaded=d.get("driver_loaded", True), smi_hang_s=d.get("smi_hang_s", 0.0),
-            nccl_busbw_factor=d.get("nccl_busbw_factor", 1.0), nccl_hang_s=d.get("nccl_hang_s", 0.0),
-            nccl_wrong=d.get("nccl_wrong", 0), boot_id=d.get("boot_id", ""),
-        )
+        """Fields missing from `d` keep their defaults; nested ones are rebuilt by `_NODE_FIELD_LOADERS`."""
+        known = {f.name for f in fields(cls)}
+        values = {k: _NODE_FIELD_LOADERS.get(k, _as_is)(v) for k, v in d.items() if k in known}
+        return cls(**values)
 
     def nvml_gpus(self) -> list[FakeGpu]:
         """GPUs NVML enumerates, in its index order (PCI bus order, skipping ones the driver lacks)."""
         return [g for g in self.gpus if g.nvml_visible]
+
+
+def _as_is(value: Any) -> Any:
+    return value
+
+
+# How NodeState.from_dict rebuilds the fields that are not plain JSON values.
+_NODE_FIELD_LOADERS: dict[str, Callable[[Any], Any]] = {
+    "gpus": lambda gpus: [FakeGpu.from_dict(g) for g in gpus],
+    "nvswitches": lambda buses: [NvSwitch(b) for b in buses],
+}
 
 
 @dataclass(frozen=True)

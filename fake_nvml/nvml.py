@@ -17,6 +17,10 @@ import pynvml
 
 from detector.core.pciaddr import normalize_bus_id, nvml_bus_id
 from fake_nvml.node import FakeGpu, FakeNode, NodeState
+from fake_nvml.nvml_driver import DriverCalls
+from fake_nvml.nvml_memory import MemoryCalls
+from fake_nvml.nvml_nvlink import NvlinkCalls
+from fake_nvml.nvml_thermal import ThermalCalls
 
 _MIB = 1024 * 1024
 # pynvml functions that are plain Python (no driver call): served as they are.
@@ -55,8 +59,8 @@ def _error(code: int) -> pynvml.NVMLError:
     return pynvml.NVMLError(code)
 
 
-class FakeNvml:
-    """Call it exactly as you would call the `pynvml` module."""
+class FakeNvml(MemoryCalls, DriverCalls, ThermalCalls, NvlinkCalls):
+    """Call it exactly as you would call the `pynvml` module. Each check's calls live in a mixin of their own."""
 
     def __init__(self, node: FakeNode):
         self.node = node

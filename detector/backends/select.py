@@ -55,9 +55,15 @@ def _real_host(node_name: str, sysfs_root: Path, nvidia_smi: str, kernel_cursor:
         boot_id, kernel_log = "current", None
     else:
         boot_id, kernel_log = live_kernel_log(cursor_file=kernel_cursor)
-    return Host(node_name, pynvml, SubprocessSmi([nvidia_smi]), SysfsPciBus(sysfs_root),
+    from detector.backends.infiniband import sysfs_infiniband
+    from detector.backends.system import host_system
+
+    host = Host(node_name, pynvml, SubprocessSmi([nvidia_smi]), SysfsPciBus(sysfs_root),
                 nvml_init_error=init_error, kernel_log=kernel_log, boot_id=boot_id,
                 close=_shutdown(pynvml) if init_error is None else (lambda: None))
+    host.infiniband = sysfs_infiniband(sysfs_root)
+    host.system = host_system(sysfs_root)
+    return host
 
 
 def live_kernel_log(start: str = "beginning", cursor_file: Path | None = None) -> tuple[str, Any]:

@@ -30,6 +30,9 @@ class Host:
     close: Callable[[], None] = lambda: None
     boot_source: Callable[[], str] | None = None   # the live boot id, for a fake node that can reboot
     nccl_probe: Any = None             # an NCCL probe backend bound to this node (the fake node's); None: real
+    infiniband: Any = None             # InfiniBand/RoCE ports reader (detector/backends/infiniband.py); None: none
+    system: Any = None                 # driver plumbing reader: kernel modules, device files, services
+                                       # (detector/backends/system.py); None: not readable here
 
     def current_boot(self) -> str:
         """This boot now: a fake node can reboot under a running agent, a real machine cannot."""

@@ -112,6 +112,7 @@ class NodeState:
     boot_id: str = "00000000-0000-0000-0000-000000000000"
     # -- node-level state of the driver plumbing check (kernel modules, device files, services) --
     # -- node-level state of the fabric check (fabric manager) --
+    fabric_manager_running: bool = True     # nv-fabricmanager's daemon (needed on NVSwitch systems)
     # -- node-level state of the infiniband check (HCA ports) --
 
     def to_dict(self) -> dict[str, Any]:

@@ -3,15 +3,16 @@ several agents can live in one process). Names follow node-problem-detector wher
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from detector.agent.active import ConditionStatus
 from detector.agent.agent import AgentSink
+from detector.core.check import GaugeSpec
 from detector.core.gpu_health import STATE_VALUE, GpuHealth, gpu_key
 from detector.core.sweep import SweepResult
-from detector.core.types import Problem
+from detector.core.types import Observation, Problem
 
 
 class AgentMetrics(AgentSink):
@@ -24,12 +25,7 @@ class AgentMetrics(AgentSink):
                                    "this reason", ["type", "reason"], registry=r)
         self.xid = Counter("gpu_npd_xid", "XID and SXid lines seen, per GPU (or NVSwitch) and code",
                            ["kind", "code", "gpu", "pci_bus_id"], registry=r)
-        self.pcie_width = Gauge("gpu_npd_pcie_link_width", "Negotiated PCIe link width (lanes)",
-                                ["gpu", "pci_bus_id"], registry=r)
-        self.pcie_max_width = Gauge("gpu_npd_pcie_link_max_width", "Widest PCIe link possible for the GPU "
-                                    "in its slot", ["gpu", "pci_bus_id"], registry=r)
-        self.pcie_gen = Gauge("gpu_npd_pcie_link_gen", "Negotiated PCIe link generation", ["gpu", "pci_bus_id"],
-                              registry=r)
+        self._check_gauges: dict[str, Gauge] = {}       # made on a check's first run: its declared gauges
         self._nccl_gauges: _NcclGauges | None = None     # made by the first probe: absent, not 0, till then
         self.check_duration = Gauge("gpu_npd_check_duration_seconds", "Duration of the check's last run",
                                     ["check"], registry=r)
@@ -80,11 +76,19 @@ class AgentMetrics(AgentSink):
                 if run.name == "xid":
                     self.xid.labels(obs.fields.get("kind", ""), str(obs.fields.get("code", "")), gpu,
                                     bus).inc(int(obs.fields.get("count") or 1))
-                elif run.name == "pcie":
-                    for gauge, key in ((self.pcie_width, "current_width"), (self.pcie_max_width, "max_width"),
-                                       (self.pcie_gen, "current_gen")):
-                        if obs.fields.get(key) is not None:
-                            gauge.labels(gpu, bus).set(obs.fields[key])
+                self._export(run.gauges, obs, gpu, bus)
+
+    def _export(self, gauges: Mapping[str, GaugeSpec], obs: Observation, gpu: str, bus: str) -> None:
+        """Set the gauges a check declares from one observation; a field it lacks (None) sets nothing."""
+        for metric, spec in gauges.items():
+            value = obs.fields.get(spec.field)
+            if not isinstance(value, (int, float)):
+                continue
+            gauge = self._check_gauges.get(metric)
+            if gauge is None:
+                gauge = self._check_gauges[metric] = Gauge(metric, spec.help, ["gpu", "pci_bus_id", *spec.labels],
+                                                           registry=self.registry)
+            gauge.labels(gpu, bus, *(str(obs.fields.get(label, "")) for label in spec.labels)).set(float(value))
 
     def gpus(self, health: list[GpuHealth]) -> None:
         """One series per GPU; its labels change with its state, so the old series goes."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from detector.core.check import Check, CheckOutput
+from detector.core.check import Check, CheckOutput, GaugeSpec
 from detector.core.sweep import SweepContext
 from detector.core.types import Observation
 
@@ -20,6 +20,11 @@ class PcieCheck(Check):
         "max_gen": "highest generation possible with this GPU and slot",
         "gpu_max_gen": "highest generation the GPU itself supports",
         "idle": "true when NVML reports the GPU idle (generation drops then by design)",
+    }
+    gauges = {
+        "gpu_npd_pcie_link_width": GaugeSpec("current_width", "Negotiated PCIe link width (lanes)"),
+        "gpu_npd_pcie_link_max_width": GaugeSpec("max_width", "Widest PCIe link possible for the GPU in its slot"),
+        "gpu_npd_pcie_link_gen": GaugeSpec("current_gen", "Negotiated PCIe link generation"),
     }
     default_interval_s = 60.0
     default_timeout_s = 10.0

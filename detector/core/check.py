@@ -47,6 +47,17 @@ class CheckSkipped(Exception):
         self.retry_after_s = retry_after_s
 
 
+@dataclass(frozen=True)
+class GaugeSpec:
+    """A Prometheus gauge the daemon exports from one numeric field of a check's observations. Its
+    series are labelled by the observation's GPU (`gpu`, `pci_bus_id`) and by `labels`, other fields
+    of the observation (a link number, a port). Declared, not coded, so a check needs no metrics code."""
+
+    field: str
+    help: str
+    labels: tuple[str, ...] = ()
+
+
 @dataclass
 class CheckOutput:
     observations: list[Observation] = field(default_factory=list)
@@ -67,6 +78,7 @@ class Check(ABC):
     description: ClassVar[str]
     fields: ClassVar[Mapping[str, str]]
     config_fields: ClassVar[Mapping[str, ConfigField]] = {}
+    gauges: ClassVar[Mapping[str, GaugeSpec]] = {}        # metric name -> the field it exports
     default_interval_s: ClassVar[float] = 60.0
     default_timeout_s: ClassVar[float] = 15.0
     # False: a GPU inventory up to a minute old will do (the xid check only maps bus ids to GPUs),

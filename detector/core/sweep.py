@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from detector.backends.pci import PciBus, PciDevice, nvidia_gpus
 from detector.backends.smi import NvidiaSmi
-from detector.core.check import Check, CheckOutput, CheckSkipped
+from detector.core.check import Check, CheckOutput, CheckSkipped, GaugeSpec
 from detector.core.deadline import Hung, Pending
 from detector.core.inventory import Inventory, read_inventory
 from detector.core.types import Observation
@@ -68,6 +68,7 @@ class CheckRun:
     observations: list[Observation] = field(default_factory=list)
     retry_after_s: float | None = None # a skipped check asks to be tried again this soon
     summary: str = ""
+    gauges: Mapping[str, GaugeSpec] = field(default_factory=dict)   # the check's exported fields
 
     def status_observation(self) -> Observation:
         """Every run is itself an observation, so rules can flag checks that hang or fail."""
@@ -131,7 +132,7 @@ def _run_inline(ctx: SweepContext, check: Check) -> CheckRun:
         return CheckRun(check.name, "skipped", _ms(t0), str(e), retry_after_s=e.retry_after_s)
     except Exception as e:  # noqa: BLE001 - a broken check is reported, never fatal
         return CheckRun(check.name, "error", _ms(t0), f"{type(e).__name__}: {e}")
-    return _finished(check.name, output, _ms(t0))
+    return _finished(check, output, _ms(t0))
 
 
 def _run_threaded(ctx: SweepContext, checks: Sequence[Check]) -> list[CheckRun]:
@@ -148,13 +149,14 @@ def _run_threaded(ctx: SweepContext, checks: Sequence[Check]) -> list[CheckRun]:
         except Exception as e:  # noqa: BLE001 - a broken check is reported, never fatal
             runs.append(CheckRun(check.name, "error", p.elapsed_ms, f"{type(e).__name__}: {e}"))
         else:
-            runs.append(_finished(check.name, output, p.elapsed_ms))
+            runs.append(_finished(check, output, p.elapsed_ms))
     return runs
 
 
-def _finished(name: str, output: CheckOutput, duration_ms: float) -> CheckRun:
-    return CheckRun(name, "error" if output.error else "ok", duration_ms, output.error, result=output.result,
-                    observations=list(output.observations), summary=output.summary)
+def _finished(check: Check, output: CheckOutput, duration_ms: float) -> CheckRun:
+    return CheckRun(check.name, "error" if output.error else "ok", duration_ms, output.error,
+                    result=output.result, observations=list(output.observations), summary=output.summary,
+                    gauges=check.gauges)
 
 
 def _no_progress(check: str, message: str) -> None:

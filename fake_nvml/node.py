@@ -235,6 +235,11 @@ class FakeNode:
         with self._kernel_logged:
             self._kernel_logged.notify_all()
 
+    def elapsed_s(self) -> float:
+        """Seconds since the node was built, on its clock (the timeline's time, across reboots): what
+        counters that move with time (a rising ECC count, a throttle pattern) are computed from."""
+        return self._clock() - self._started
+
     def uptime_usec(self) -> int:
         return int((self._clock() - self._boot_started) * 1e6)
 

@@ -44,6 +44,10 @@ ACTIONS: dict[str, str] = {
                     "manager's log); reboot, and open a hardware case if it persists",
     "CHECK_PCIE": "drain the node and check the GPUs' PCIe links (width, generation, AER errors) and ACS "
                   "settings; reseat or replace risers if a reboot does not help",
+    "CHECK_COOLING": "check the node's cooling (fans, airflow, inlet temperature, liquid-cooling flow) and the "
+                     "GPU's power delivery; drain the node if the GPU keeps slowing down",
+    "CHECK_NETWORK": "check the InfiniBand/RoCE port (cable, transceiver, switch port: ibstat, the switch's "
+                     "counters); NCCL traffic over it is slow or failing",
     "CONTACT_SUPPORT": "drain the node and open a hardware case with the vendor",
 }
 
@@ -51,7 +55,7 @@ ACTIONS: dict[str, str] = {
 # How much an action asks of an operator, most first: when problems share a condition, the one demanding
 # the most leads its reason and message (then the more severe, then the more recent).
 ACTION_ORDER = ("CONTACT_SUPPORT", "RESTART_BM", "CHECK_MECHANICALS", "RESTART_VM", "DRAIN_AND_RESET",
-                "RESET_GPU", "CHECK_NVLINK", "CHECK_PCIE", "DRAIN_P2P", "UPDATE_SWFW", "CHECK_DRIVER",
+                "RESET_GPU", "CHECK_NVLINK", "CHECK_PCIE", "CHECK_NETWORK", "CHECK_COOLING", "DRAIN_P2P", "UPDATE_SWFW", "CHECK_DRIVER",
                 "CHECK_UVM", "RESTART_APP", "INSPECT", "IGNORE", "NONE")
 
 

@@ -48,6 +48,8 @@ class FakeGpu:
     # -- thermal and power state (the thermal check) --
     # -- NVLink and fabric state (the nvlink and fabric checks) --
     # -- identity --
+    board_part_number: str = ""      # empty: the model's (fake_nvml/identity.py)
+    vbios_version: str = ""          # empty: the model's; a firmware update sets it
     # Fault state.
     lost: bool = False               # NVML raises GPU_IS_LOST for this GPU
     nvml_visible: bool = True        # False: on the PCI bus, but the driver never attached

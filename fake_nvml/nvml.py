@@ -16,6 +16,7 @@ from typing import Any
 import pynvml
 
 from detector.core.pciaddr import normalize_bus_id, nvml_bus_id
+from fake_nvml.identity import board_of
 from fake_nvml.node import FakeGpu, FakeNode, NodeState
 from fake_nvml.nvml_driver import DriverCalls
 from fake_nvml.nvml_memory import MemoryCalls
@@ -179,7 +180,18 @@ class FakeNvml(MemoryCalls, DriverCalls, ThermalCalls, NvlinkCalls):
         return self._device(handle).uuid
 
     def nvmlDeviceGetSerial(self, handle: Any) -> str:
-        return self._device(handle).serial
+        gpu = self._device(handle)
+        if not board_of(gpu.model.key).has_inforom:
+            raise _error(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        return gpu.serial
+
+    def nvmlDeviceGetBoardPartNumber(self, handle: Any) -> str:
+        gpu = self._device(handle)
+        return gpu.board_part_number or board_of(gpu.model.key).board_part_number
+
+    def nvmlDeviceGetVbiosVersion(self, handle: Any) -> str:
+        gpu = self._device(handle)
+        return gpu.vbios_version or board_of(gpu.model.key).vbios_version
 
     def nvmlDeviceGetIndex(self, handle: Any) -> int:
         gpu = self._device(handle)

@@ -208,6 +208,8 @@ FAULT_KINDS: dict[str, FaultKind] = {k.name: k for k in (
     # -- thermal and power faults (the thermal check) --
     # -- NVLink and fabric faults (the nvlink and fabric checks) --
     # -- InfiniBand faults (the infiniband check) --
+    FaultKind("vbios", True, {"version": str}, ("version",), _set("vbios_version", "version"),
+              "the GPU's VBIOS is updated to this version (NVML reports it from now on)"),
     FaultKind("recover", False, {}, (), _recover,
               "reset a GPU (with gpu) or repair the node (without) back to healthy"),
     FaultKind("reboot", False, {}, (), _reboot,

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Callable, Mapping
 
 from detector.core.pciaddr import normalize_bus_id, nvml_bus_id
+from fake_nvml.identity import board_of
 from fake_nvml.node import FakeGpu, NodeState
 from fake_nvml.statefile import SCENARIO_ENV, STATE_ENV, load_state
 
@@ -200,7 +201,8 @@ _FIELDS: dict[str, _Field] = {
     "index": _Field(None, lambda s, i, g: str(i)),
     "name": _Field(None, lambda s, i, g: g.model.name),
     "uuid": _Field(None, lambda s, i, g: g.uuid),
-    "serial": _Field(None, lambda s, i, g: g.serial),
+    "serial": _Field(None, lambda s, i, g: g.serial if board_of(g.model.key).has_inforom else _NA),
+    "vbios_version": _Field(None, lambda s, i, g: g.vbios_version or board_of(g.model.key).vbios_version),
     "driver_version": _Field(None, lambda s, i, g: s.driver_version),
     "pci.bus_id": _Field(None, lambda s, i, g: nvml_bus_id(g.pci_bus_id)),
     "pci.domain": _Field(None, lambda s, i, g: _pci_part(g, 0, 4)),

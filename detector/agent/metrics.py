@@ -10,6 +10,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from detector.agent.active import ConditionStatus
 from detector.agent.agent import AgentSink
 from detector.core.check import GaugeSpec
+from detector.core.inventory import Inventory
 from detector.core.gpu_health import STATE_VALUE, GpuHealth, gpu_key
 from detector.core.sweep import SweepResult
 from detector.core.types import Observation, Problem
@@ -40,6 +41,11 @@ class AgentMetrics(AgentSink):
                                "action for that GPU (NONE when healthy)",
                                ["gpu", "uuid", "pci_bus_id", "state", "action"], registry=r)
         self._gpu_series: dict[str, tuple[str, ...]] = {}
+        self.gpu_info = Gauge("gpu_npd_gpu_info", "1 for each GPU NVML sees, labelled with what an RMA ticket asks "
+                              "for: its UUID, serial number, board part number and VBIOS version",
+                              ["gpu", "uuid", "pci_bus_id", "name", "serial", "board_part_number", "vbios_version"],
+                              registry=r)
+        self._info_series: dict[str, tuple[str, ...]] = {}
 
     def reporting_from(self, judge: Callable[[], bool]) -> None:
         """`gpu_npd_reporting`: 1 while reports reach the API server (the daemon's /readyz), read at scrape."""
@@ -65,6 +71,7 @@ class AgentMetrics(AgentSink):
             self.problem_counter.labels(p.type, p.reason).inc()
 
     def sweep(self, result: SweepResult, problems: list[Problem]) -> None:
+        self._gpu_info(result.inventory)
         for run in result.runs:
             self.check_runs.labels(run.name, run.status).inc()
             self.check_duration.labels(run.name).set(run.duration_ms / 1000)
@@ -77,6 +84,21 @@ class AgentMetrics(AgentSink):
                     self.xid.labels(obs.fields.get("kind", ""), str(obs.fields.get("code", "")), gpu,
                                     bus).inc(int(obs.fields.get("count") or 1))
                 self._export(run.gauges, obs, gpu, bus)
+
+    def _gpu_info(self, inventory: Inventory) -> None:
+        """One series per GPU by bus id; a GPU whose labels change (a board swapped, a VBIOS updated) loses
+        its old series, and a GPU NVML no longer reads keeps its last one (the serial is wanted most then)."""
+        for g in inventory.gpus:
+            if not g.pci_bus_id or not g.uuid:
+                continue
+            ident = g.identity
+            labels = (str(g.index), g.uuid, g.pci_bus_id, g.name or "", ident.serial or "",
+                      ident.board_part_number or "", ident.vbios_version or "")
+            before = self._info_series.get(g.pci_bus_id)
+            if before is not None and before != labels:
+                self.gpu_info.remove(*before)
+            self.gpu_info.labels(*labels).set(1)
+            self._info_series[g.pci_bus_id] = labels
 
     def _export(self, gauges: Mapping[str, GaugeSpec], obs: Observation, gpu: str, bus: str) -> None:
         """Set the gauges a check declares from one observation; a field it lacks (None) sets nothing."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from detector.core.inventory import GpuIdentity
 from detector.core.sweep import SweepResult
 from detector.core.types import GpuRef, Problem, Severity
 
@@ -26,10 +27,10 @@ class Diagnosis:
             "healthy": not self.problems,
             "gpus": [{
                 "index": g.index, "uuid": g.uuid, "name": g.name, "pci_bus_id": g.pci_bus_id,
-                "pcie": g.pcie.to_dict() if g.pcie else None, "error": g.error,
+                **g.identity.to_dict(), "pcie": g.pcie.to_dict() if g.pcie else None, "error": g.error,
             } for g in inv.gpus] + [{
-                "index": None, "uuid": ref.uuid, "name": None, "pci_bus_id": bus, "pcie": None,
-                "error": "NotSeenByNvml",
+                "index": None, "uuid": ref.uuid, "name": None, "pci_bus_id": bus, **GpuIdentity().to_dict(),
+                "pcie": None, "error": "NotSeenByNvml",
             } for bus, ref in unseen_gpus(self).items()],
             "problems": [p.to_dict() for p in self.problems],
             "rules": self.rules,
@@ -45,7 +46,7 @@ def render_table(d: Diagnosis) -> str:
         lines.append("NVML: no NVIDIA driver on this machine (LibraryNotFound); GPUs are named by bus id")
     elif inv.nvml_error:
         lines.append(f"NVML unusable: {inv.nvml_error}")
-    rows = [("GPU", "NAME", "BUS ID", "UUID", "PCIE", "STATE")]
+    rows = [("GPU", "NAME", "BUS ID", "UUID", "SERIAL", "PCIE", "STATE")]
     # A GPU is its bus id first: an index is NVML's, and a GPU NVML does not see has none.
     reasons: dict[str | int, list[str]] = {}
     for p in d.problems:
@@ -58,10 +59,10 @@ def render_table(d: Diagnosis) -> str:
         if g.pcie and g.pcie.current_width:
             link = f"Gen{g.pcie.current_gen} x{g.pcie.current_width}/x{g.pcie.max_width}"
         state = reasons.get(g.pci_bus_id, []) if g.pci_bus_id else reasons.get(g.index, [])
-        rows.append((str(g.index), g.name or "-", g.pci_bus_id or "-", g.uuid or "-", link,
-                     ",".join(state) or g.error or "ok"))
+        rows.append((str(g.index), g.name or "-", g.pci_bus_id or "-", g.uuid or "-", g.identity.serial or "-",
+                     link, ",".join(state) or g.error or "ok"))
     for bus, ref in unseen_gpus(d).items():
-        rows.append(("-", "-", bus, ref.uuid or "-", "-", ",".join(reasons.get(bus, [])) or "NotSeenByNvml"))
+        rows.append(("-", "-", bus, ref.uuid or "-", "-", "-", ",".join(reasons.get(bus, [])) or "NotSeenByNvml"))
     if len(rows) > 1:
         lines += ["", *_columns(rows)]
     lines += ["", "checks: " + ", ".join(

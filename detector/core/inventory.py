@@ -44,12 +44,27 @@ class PcieLink:
 
 
 @dataclass(frozen=True)
+class GpuIdentity:
+    """What an RMA ticket asks for. Each is None where the board does not say (GeForce boards have no
+    InfoROM, so no serial: NVML API reference, nvmlDeviceGetSerial)."""
+
+    serial: str | None = None
+    board_part_number: str | None = None
+    vbios_version: str | None = None
+
+    def to_dict(self) -> dict[str, str | None]:
+        return {"serial": self.serial, "board_part_number": self.board_part_number,
+                "vbios_version": self.vbios_version}
+
+
+@dataclass(frozen=True)
 class GpuInfo:
     index: int
     uuid: str | None = None
     name: str | None = None
     pci_bus_id: str | None = None
     pcie: PcieLink | None = None
+    identity: GpuIdentity = GpuIdentity()
     idle: bool | None = None
     error: str | None = None          # NVML error name, or HUNG
     handle: Any = field(default=None, compare=False, repr=False)
@@ -124,10 +139,13 @@ def read_gpu(nvml: Any, index: int) -> GpuInfo:
             gpu_max_gen=_optional(nvml.nvmlDeviceGetGpuMaxPcieLinkGeneration, handle),
         )
         reasons = _optional(nvml.nvmlDeviceGetCurrentClocksEventReasons, handle)
+        identity = GpuIdentity(serial=_optional(nvml.nvmlDeviceGetSerial, handle),
+                               board_part_number=_optional(nvml.nvmlDeviceGetBoardPartNumber, handle),
+                               vbios_version=_optional(nvml.nvmlDeviceGetVbiosVersion, handle))
     except Exception as e:  # noqa: BLE001 - lost between calls: keep identity, report the error
         return GpuInfo(index, uuid, name, bus_id, error=nvml_error_name(e), handle=handle)
     idle = None if reasons is None else bool(reasons & pynvml.nvmlClocksEventReasonGpuIdle)
-    return GpuInfo(index, uuid, name, bus_id, pcie, idle, handle=handle)
+    return GpuInfo(index, uuid, name, bus_id, pcie, identity, idle, handle=handle)
 
 
 def _optional(fn: Any, *args: Any) -> Any:

@@ -14,7 +14,7 @@ TORCH_STAMP := $(VENV)/.torch-stamp
 KUBECTL := $(VENV)/tools/kubectl
 KUBECTL_STAMP := $(VENV)/.kubectl-stamp
 
-.PHONY: install kubectl test demo clean
+.PHONY: install kubectl test demo gpu-check clean
 
 install: $(STAMP)
 
@@ -40,6 +40,14 @@ demo: install
 	@echo "== gpu-npd run on a fake 8x H100 node, reporting to an in-process Kubernetes API emulator."
 	@echo "== XID 79 hits GPU 3 after a few seconds; then the node reboots. Conditions and events as they change:"
 	@$(BIN)/gpu-npd demo
+
+# On a machine with NVIDIA GPUs: real-NVML conformance, diagnose with every check, the NCCL probe and
+# the machine's own nvidia-smi/sysfs output, all in $(GPU_CHECK_OUT)/ (summary.txt first).
+# `make gpu-check GPU_CHECK_NVML=fake:h100-sxm-8` is a dry run without a GPU.
+GPU_CHECK_OUT ?= gpu-check
+GPU_CHECK_NVML ?= real
+gpu-check: install
+	$(BIN)/python tools/gpu_check.py --out $(GPU_CHECK_OUT) --nvml $(GPU_CHECK_NVML)
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache

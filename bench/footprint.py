@@ -10,6 +10,7 @@ The last line printed is a JSON object of the figures.
 
     .venv/bin/python bench/footprint.py                 # 60 s window after 15 s of settling
     .venv/bin/python bench/footprint.py --duration 600  # long enough to include heartbeats
+    .venv/bin/python bench/footprint.py --checks all    # every registered check, the opt-in NCCL probe too
 """
 
 from __future__ import annotations
@@ -38,7 +39,10 @@ def main() -> int:
     parser.add_argument("--duration", type=float, default=60.0, help="steady window, seconds (default 60)")
     parser.add_argument("--settle", type=float, default=15.0, help="seconds before the window (default 15)")
     parser.add_argument("--heartbeat", type=float, default=300.0, help="the daemon's --heartbeat (default 300)")
+    parser.add_argument("--checks", default="", help="the daemon's --checks: A,B, or 'all' for every registered "
+                        "check (default: the daemon's default, every enabled one)")
     args = parser.parse_args()
+    checks = _expand_checks(args.checks)
 
     workdir = Path(tempfile.mkdtemp(prefix="gpu-npd-footprint-"))
     with Emulator(rbac_paths=(ROOT / "deploy" / "base",)) as emulator:
@@ -47,7 +51,7 @@ def main() -> int:
         gpu_npd = Path(sys.executable).with_name("gpu-npd")
         command = [str(gpu_npd), "run", "--nvml", "fake:h100-sxm-8", "--node-name", NODE,
                    "--kubeconfig", str(kubeconfig), "--listen", "127.0.0.1:0", "--state-dir", str(workdir / "state"),
-                   "--heartbeat", str(args.heartbeat), "--log-format", "json"]
+                   "--heartbeat", str(args.heartbeat), "--log-format", "json"] + (["--checks", checks] if checks else [])
         child = subprocess.Popen(command, stderr=open(workdir / "daemon.log", "wb"))
         proc = psutil.Process(child.pid)
         try:
@@ -72,13 +76,21 @@ def main() -> int:
         "startup_requests": startup_requests, "window_s": round(t1 - t0, 1), "heartbeat_s": args.heartbeat,
         "npd_requests_per_hour": 12, "sigterm_exit_code": code, "sigterm_stop_s": round(stop_s, 2),
         "conditions_on_node": conditions, "budget_rss_mib": 60, "budget_cpu_millicores": 5,
+        "checks": checks or "default",
     }
-    print(f"gpu-npd run, fake 8x H100, {result['window_s']} s steady: RSS {result['rss_mib']} MiB "
+    print(f"gpu-npd run, fake 8x H100, checks {result['checks']}, {result['window_s']} s steady: RSS {result['rss_mib']} MiB "
           f"(startup peak {result['startup_rss_mib']}), CPU {result['cpu_millicores']} millicores, "
           f"{window_requests} API requests in the window ({result['api_requests_per_hour']}/h); "
           f"SIGTERM -> exit {code} in {result['sigterm_stop_s']} s")
     print(json.dumps(result))
     return 0
+
+
+def _expand_checks(checks: str) -> str:
+    if checks != "all":
+        return checks
+    from detector.core.check import CheckRegistry
+    return ",".join(CheckRegistry.from_entry_points().names())
 
 
 def _cpu_s(proc: psutil.Process) -> float:

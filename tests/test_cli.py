@@ -191,6 +191,7 @@ def test_help_teaches_with_examples():
 def test_listing_commands():
     checks = gpu_npd("checks")
     assert checks.returncode == 0 and "current_width" in checks.stdout and "expected_gpus" in checks.stdout
+    assert "  metric gpu_npd_pcie_link_width{gpu,pci_bus_id}: " in checks.stdout
     scenarios = gpu_npd("scenarios")
     assert scenarios.returncode == 0 and "h100-sxm-8-pcie-x8" in scenarios.stdout
     valid = gpu_npd("validate-rules")

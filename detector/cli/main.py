@@ -263,6 +263,9 @@ def cmd_checks(args: argparse.Namespace) -> int:
             print(f"  setting {key} (default {spec.default!r}): {spec.help}")
         for field, meaning in {**cls.fields}.items():
             print(f"  field {field}: {meaning}")
+        for metric, gauge in cls.gauges.items():
+            labels = ",".join(("gpu", "pci_bus_id", *gauge.labels))
+            print(f"  metric {metric}{{{labels}}}: {gauge.help} (field {gauge.field})")
         print()
     print("Every check also has the fields check, check_status, check_error and duration_ms, and the settings\n"
           "interval, timeout and enabled (opt-in checks run only when enabled or named in --checks).")

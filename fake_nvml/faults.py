@@ -150,6 +150,43 @@ def _kernel_line(f: Fault, state: "NodeState", gpu: "FakeGpu | None", node: "Fak
     node.log_kernel(f.params["message"], f.params.get("priority", 4))
 
 
+def _ecc_rising(f: Fault, state: "NodeState", gpu: "FakeGpu | None", node: "FakeNode") -> None:
+    assert gpu is not None
+    from fake_nvml.nvml_memory import volatile_uncorrected
+    now = node.elapsed_s()
+    gpu.ecc_uncorrected = volatile_uncorrected(gpu, now)         # what has arrived so far stays counted
+    gpu.ecc_uncorrected_per_min, gpu.ecc_rising_since_s = f.params["per_min"], now
+
+
+def _remap_pending(f: Fault, state: "NodeState", gpu: "FakeGpu | None", node: "FakeNode") -> None:
+    assert gpu is not None
+    gpu.remapped_uncorrected += 1
+    gpu.remap_pending = True
+
+
+def _retired_pages(f: Fault, state: "NodeState", gpu: "FakeGpu | None", node: "FakeNode") -> None:
+    assert gpu is not None
+    gpu.retired_sbe += f.params.get("sbe", 0)
+    gpu.retired_dbe += f.params.get("dbe", 0)
+    gpu.retire_pending = f.params.get("pending", gpu.retire_pending)
+
+
+def _memory_reset(state: "NodeState", gpus: "list[FakeGpu]", whole_node: bool) -> None:
+    """A GPU reset or reboot: volatile ECC counts move into the aggregate ones and start again at 0, a
+    rising fault stops, pending remaps and page retirements take effect. A remap failure, retired pages
+    and aggregate counts stay: they live in the InfoROM."""
+    for g in gpus:
+        from fake_nvml.nvml_memory import volatile_uncorrected
+        g.ecc_aggregate_corrected += g.ecc_corrected
+        g.ecc_aggregate_uncorrected += volatile_uncorrected(g, g.ecc_rising_since_s)
+        g.ecc_corrected = g.ecc_uncorrected = 0
+        g.ecc_uncorrected_per_min = 0.0
+        g.remap_pending = g.retire_pending = False
+
+
+RECOVERY_HOOKS.append(_memory_reset)
+
+
 def _recover(f: Fault, state: "NodeState", gpu: "FakeGpu | None", node: "FakeNode") -> None:
     """A GPU reset (with a gpu) or a node repair (without): back to the healthy baseline."""
     gpus = [gpu] if gpu is not None else state.gpus
@@ -204,6 +241,16 @@ FAULT_KINDS: dict[str, FaultKind] = {k.name: k for k in (
     FaultKind("kernel_line", False, {"message": str, "priority": int}, ("message",), _kernel_line,
               "an arbitrary kernel log line (SXid lines, noise)"),
     # -- memory faults (the memory check) --
+    FaultKind("ecc_rising", True, {"per_min": float}, ("per_min",), _ecc_rising,
+              "volatile uncorrectable ECC errors keep arriving at this rate (per minute) until a reset"),
+    FaultKind("remap_pending", True, {}, (), _remap_pending,
+              "a row is remapped for an uncorrectable error and waits for a GPU reset to take effect"),
+    FaultKind("remap_failure", True, {}, (), _set("remap_failure", None, True),
+              "a row remapping failed (no spare rows left in the bank): persists across resets"),
+    FaultKind("retired_pages", True, {"sbe": int, "dbe": int, "pending": bool}, (), _retired_pages,
+              "pages retired on a pre-Ampere GPU (adds sbe/dbe; pending: one waits for a driver reload)"),
+    FaultKind("ecc_disabled", True, {}, (), _set("ecc_enabled", None, False),
+              "ECC turned off on an ECC-capable GPU (its counters are then unavailable)"),
     # -- driver plumbing faults (the driver check) --
     # -- thermal and power faults (the thermal check) --
     # -- NVLink and fabric faults (the nvlink and fabric checks) --

@@ -22,6 +22,7 @@ BOARDS: dict[str, BoardIdentity] = {
     "h200-sxm-141gb": BoardIdentity("692-2G520-0280-000", "96.00.A5.00.03"),
     "a100-sxm4-80gb": BoardIdentity("692-2G506-0210-002", "92.00.45.00.03"),
     "a100-pcie-40gb": BoardIdentity("900-21001-0000-000", "92.00.25.00.08"),
+    "v100-sxm2-32gb": BoardIdentity("900-2G503-0010-000", "88.00.80.00.04"),
     "rtx-4090": BoardIdentity("900-1G136-2530-000", "95.02.18.80.5F", has_inforom=False),
 }
 _UNKNOWN = BoardIdentity("900-00000-0000-000", "00.00.00.00.00")

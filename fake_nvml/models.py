@@ -36,6 +36,8 @@ MODELS: dict[str, GpuModel] = {
                  True, True, True, 400, 89, 92, 235.0),
         GpuModel("a100-pcie-40gb", "NVIDIA A100-PCIE-40GB", 0x20F110DE, 40960, 4, 16, 0,
                  True, True, True, 250, 89, 92, 26.5),
+        GpuModel("v100-sxm2-32gb", "Tesla V100-SXM2-32GB", 0x1DB510DE, 32510, 3, 16, 6,
+                 True, False, False, 300, 87, 90, 130.0),
         GpuModel("rtx-4090", "NVIDIA GeForce RTX 4090", 0x268410DE, 24564, 4, 16, 0,
                  False, False, False, 450, 90, 95, 20.0),
     )

@@ -45,6 +45,16 @@ class FakeGpu:
     nvlinks_down: list[int] = field(default_factory=list)
     persistence_mode: bool = True
     # -- memory state (the memory check: ECC, retired pages, row remapping) --
+    # ecc_corrected/ecc_uncorrected above are the volatile counts (since the driver loaded); these are
+    # the aggregate counts from before, which persist in the InfoROM across reloads and resets.
+    ecc_enabled: bool = True                  # ECC mode on an ECC-capable GPU (nvidia-smi -e)
+    ecc_aggregate_corrected: int = 0
+    ecc_aggregate_uncorrected: int = 0
+    ecc_uncorrected_per_min: float = 0.0      # a rising fault: volatile uncorrectable errors per minute
+    ecc_rising_since_s: float = 0.0           # from this node time (FakeNode.elapsed_s)
+    retired_sbe: int = 0                      # pages retired for multiple single-bit errors (pre-Ampere)
+    retired_dbe: int = 0                      # pages retired for a double-bit error (pre-Ampere)
+    retire_pending: bool = False              # a page waits for a driver reload to be retired
     # -- thermal and power state (the thermal check) --
     # -- NVLink and fabric state (the nvlink and fabric checks) --
     # -- identity --

@@ -295,26 +295,6 @@ class FakeNvml(MemoryCalls, DriverCalls, ThermalCalls, NvlinkCalls):
             raise _error(pynvml.NVML_ERROR_NOT_SUPPORTED)
         return [pynvml.NVML_DEVICE_MIG_DISABLE, pynvml.NVML_DEVICE_MIG_DISABLE]
 
-    def nvmlDeviceGetEccMode(self, handle: Any) -> list[int]:
-        gpu = self._device(handle)
-        if not gpu.model.ecc:
-            raise _error(pynvml.NVML_ERROR_NOT_SUPPORTED)
-        return [pynvml.NVML_FEATURE_ENABLED, pynvml.NVML_FEATURE_ENABLED]
-
-    def nvmlDeviceGetTotalEccErrors(self, handle: Any, error_type: int, counter_type: int) -> int:
-        gpu = self._device(handle)
-        if not gpu.model.ecc:
-            raise _error(pynvml.NVML_ERROR_NOT_SUPPORTED)
-        if error_type not in (0, 1) or counter_type not in (0, 1):
-            raise _error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
-        return gpu.ecc_corrected if error_type == pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED else gpu.ecc_uncorrected
-
-    def nvmlDeviceGetRemappedRows(self, handle: Any) -> tuple[int, int, int, int]:
-        gpu = self._device(handle)
-        if not gpu.model.row_remapping:
-            raise _error(pynvml.NVML_ERROR_NOT_SUPPORTED)
-        return (gpu.remapped_corrected, gpu.remapped_uncorrected, int(gpu.remap_pending), int(gpu.remap_failure))
-
     def nvmlDeviceGetNvLinkState(self, handle: Any, link: int) -> int:
         gpu = self._device(handle)
         if gpu.model.nvlink_links == 0:

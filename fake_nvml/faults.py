@@ -208,6 +208,14 @@ def _reboot(f: Fault, state: "NodeState", gpu: "FakeGpu | None", node: "FakeNode
     node.reboot()
 
 
+def _ib(name: str):
+    """An InfiniBand fault, applied by fake_nvml/infiniband.py (imported when used: it imports this module)."""
+    def apply(f: Fault, state: "NodeState", gpu: "FakeGpu | None", node: "FakeNode") -> None:
+        from fake_nvml import infiniband
+        getattr(infiniband, name)(f, state, gpu, node)
+    return apply
+
+
 FAULT_KINDS: dict[str, FaultKind] = {k.name: k for k in (
     FaultKind("xid", True, {"code": int, "message": str, "pid": int, "via": str}, ("code",), _xid,
               "an XID: kernel log line and NVML event (via: both, kernel or nvml); 79 also makes the GPU lost"),
@@ -255,6 +263,19 @@ FAULT_KINDS: dict[str, FaultKind] = {k.name: k for k in (
     # -- thermal and power faults (the thermal check) --
     # -- NVLink and fabric faults (the nvlink and fabric checks) --
     # -- InfiniBand faults (the infiniband check) --
+    FaultKind("ib_port_down", False, {"device": str, "port": int, "phys_state": str}, ("device",),
+              _ib("port_down"), "an InfiniBand/RoCE port goes DOWN (phys_state Polling: link lost, the default; "
+              "Disabled: turned off by software)"),
+    FaultKind("ib_port_state", False, {"device": str, "port": int, "state": str, "phys_state": str},
+              ("device", "state"), _ib("port_state"),
+              "a port's state (DOWN, INIT, ARMED, ACTIVE) and physical state (Polling, Disabled, LinkUp ...)"),
+    FaultKind("ib_rate", False, {"device": str, "port": int, "rate_gbps": float}, ("device", "rate_gbps"),
+              _ib("port_rate"), "a port retrains at this rate in Gb/s (lanes or speed lost)"),
+    FaultKind("ib_errors", False, {"device": str, "port": int, "counter": str, "per_min": float, "add": int},
+              ("device", "counter"), _ib("port_errors"),
+              "a port error counter (symbol_error, link_downed ...) jumps by add and/or rises per_min from now"),
+    FaultKind("ib_missing", False, {"device": str}, ("device",), _ib("port_missing"),
+              "an HCA's ports vanish from /sys/class/infiniband (fell off the bus, driver gone)"),
     FaultKind("vbios", True, {"version": str}, ("version",), _set("vbios_version", "version"),
               "the GPU's VBIOS is updated to this version (NVML reports it from now on)"),
     FaultKind("recover", False, {}, (), _recover,

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pynvml
 
+from detector.backends.infiniband import sysfs_infiniband
 from detector.backends.kernlog import CursorStore, KmsgReader
 from detector.backends.pci import SysfsPciBus
 from detector.backends.smi import SmiOutcome, SubprocessSmi
@@ -62,6 +63,6 @@ def fake_host(node: FakeNode, *, sysfs_root: Path | None = None, smi_command: li
     host = Host(node.name, nvml, smi, pci, nvml_init_error=init_error, kernel_log=kernel_log,
                 boot_id=kmsg.boot_id, threaded=threaded, close=close, boot_source=lambda: node.boot_id,
                 nccl_probe=FakeNcclProbe(node))
-    host.infiniband = fake_infiniband(node)
+    host.infiniband = sysfs_infiniband(sysfs_root) if sysfs_root else fake_infiniband(node)
     host.system = fake_system(node)
     return host

@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Callable
 
 from fake_nvml.faults import Fault
+from fake_nvml.infiniband import FakeIbPort, ports_from_dicts
 from fake_nvml.models import GpuModel, model_by_key
 
 Clock = Callable[[], float]
@@ -126,6 +127,7 @@ class NodeState:
     # -- node-level state of the fabric check (fabric manager) --
     fabric_manager_running: bool = True     # nv-fabricmanager's daemon (needed on NVSwitch systems)
     # -- node-level state of the infiniband check (HCA ports) --
+    ib_ports: list[FakeIbPort] = field(default_factory=list)   # InfiniBand/RoCE ports (fake_nvml/infiniband.py)
 
     def to_dict(self) -> dict[str, Any]:
         """Every field, as JSON: nested dataclasses become dicts (`from_dict` rebuilds them)."""
@@ -154,6 +156,7 @@ def _as_is(value: Any) -> Any:
 _NODE_FIELD_LOADERS: dict[str, Callable[[Any], Any]] = {
     "gpus": lambda gpus: [FakeGpu.from_dict(g) for g in gpus],
     "nvswitches": lambda buses: [NvSwitch(b) for b in buses],
+    "ib_ports": ports_from_dicts,
 }
 
 

@@ -15,6 +15,7 @@ from typing import Any
 from detector.core.pciaddr import normalize_bus_id
 from detector.yamlsource import MappingReader, SourceError, load_yaml, parse_yaml
 from fake_nvml.faults import Fault
+from fake_nvml.infiniband import IbSpec, parse_ib_spec
 from fake_nvml.models import MODELS, model_by_key
 from fake_nvml.node import Clock, FakeGpu, FakeNode, NodeState, NvSwitch, TimedFault
 
@@ -23,7 +24,7 @@ HGX8_BUS_IDS = ["0000:18:00.0", "0000:2a:00.0", "0000:3a:00.0", "0000:5d:00.0",
                 "0000:9a:00.0", "0000:ab:00.0", "0000:ba:00.0", "0000:db:00.0"]
 _UUID_NAMESPACE = uuid.UUID("5b0c6a52-3f7e-4d7e-9a61-0d6c4b1e8a10")
 _TOP_FIELDS = {"description", "extends", "node_name", "driver_version", "cuda_version", "gpu_model", "gpus",
-               "pci_bus_ids", "nvswitches", "faults"}
+               "pci_bus_ids", "nvswitches", "faults", "infiniband"}
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,7 @@ class Scenario:
     pci_bus_ids: list[str]
     nvswitches: list[str]
     faults: list[TimedFault] = field(default_factory=list)
+    infiniband: IbSpec = IbSpec()        # HCA ports (fake_nvml/infiniband.py); none by default
 
     def build(self, node_name: str | None = None, clock: Clock = time.monotonic, **kwargs: Any) -> FakeNode:
         """A fresh fake node for this scenario. GPU UUIDs derive from the node name, so fleets differ."""
@@ -53,7 +55,7 @@ class Scenario:
         state = NodeState(
             name=name, driver_version=self.driver_version, cuda_version=int(major) * 1000 + int(minor or 0) * 10,
             gpus=gpus, nvswitches=[NvSwitch(b) for b in self.nvswitches],
-            boot_id=str(uuid.uuid5(_UUID_NAMESPACE, f"{name}/boot")),
+            boot_id=str(uuid.uuid5(_UUID_NAMESPACE, f"{name}/boot")), ib_ports=self.infiniband.build(),
         )
         return FakeNode(state, list(self.faults), clock=clock, **kwargs)
 
@@ -110,6 +112,7 @@ def _parse(name: str, top: MappingReader, base: Scenario | None) -> Scenario:
         nvswitches=[_bus_id(top, "nvswitches", b) for b in top.get("nvswitches", list, [])]
         if top.has("nvswitches") else (list(base.nvswitches) if base else []),
         faults=faults,
+        infiniband=parse_ib_spec(top, base.infiniband if base else None),
     )
 
 

@@ -51,6 +51,7 @@ def running(emulator, tmp_path):
     def start(**kw) -> LocalDaemon:
         kw.setdefault("settings", fast_settings())
         kw.setdefault("check_settings", FAST_CHECKS)
+        kw.setdefault("checks", list(kw["check_settings"]))     # these tests are about these checks alone
         local = local_daemon(kw.pop("scenario", "h100-sxm-8"), kw.pop("name", "gpu-1"), emulator=emulator,
                              workdir=tmp_path, **kw).start()
         started.append(local)

@@ -27,7 +27,9 @@ from detector.sim.scheduler import Scheduler, Task
 from kube_emulator import Emulator
 
 # What each scripted fault must show on its node (the builtin rules' condition types).
-EXPECTED = {"xid": {79: {"GpuXidError", "GpuMissing"}, 48: {"GpuXidError"}}, "pcie": {"GpuPcieDegraded"},
+# XID 48 is an uncorrectable ECC error: the xid check reports the line, the memory check the count it raised.
+EXPECTED = {"xid": {79: {"GpuXidError", "GpuMissing"}, 48: {"GpuXidError", "GpuMemoryError"}},
+            "pcie": {"GpuPcieDegraded"},
             "nvml_invisible": {"GpuMissing"}}
 
 FLEET = {

@@ -496,3 +496,8 @@ def test_daemon_sets_and_clears_the_port_down_condition(running):  # noqa: F811 
     assert condition["reason"] == "IbPortDown" and "mlx5_6/1 is DOWN" in condition["message"]
     local.node.inject(Fault("recover"))
     assert local.wait_for(lambda: status() == "False", 10), local.conditions()
+
+
+def test_a_devices_glob_matching_nothing_is_not_applicable(registry):
+    run = run_ib(fake_host(node_for("h100-sxm-8")), registry, {"devices": "bnxt_*"}).sweep.runs[0]
+    assert run.result["state"] == "not_applicable" and "none on a device matching devices 'bnxt_*'" in run.summary

@@ -4,7 +4,7 @@ counters as rates over a window. Facts only; rules/infiniband.yaml says what the
 from __future__ import annotations
 
 from fnmatch import fnmatch
-from typing import Any
+from typing import Any, Mapping
 
 from detector.backends.infiniband import COUNTER_BITS, IbPort, IbSnapshot, counter_max
 from detector.checks.infiniband.expect import Expectations, port_name
@@ -87,8 +87,9 @@ class InfinibandCheck(Check):
     }
     default_interval_s = 60.0
     default_timeout_s = 10.0
+    needs_fresh_inventory = False          # reads no GPU at all
 
-    def __init__(self, config=None):
+    def __init__(self, config: Mapping[str, Any] | None = None):
         super().__init__(config)
         if self.config["window"] <= 0:
             raise ValueError("check 'infiniband': window must be a positive number of seconds")
@@ -110,11 +111,15 @@ class InfinibandCheck(Check):
         missing = self.expect.missing(seen)
         observations += [self._missing(p) for p in missing]
         self.window.keep_only({(p.name, c) for p in ports for c in COUNTERS})
-        node = self._node(observations, snapshot, missing)
+        node = self._node(observations)
         result = {"state": "ok" if node["applicable"] else "not_applicable",
                   "ports": [_port_result(o.fields) for o in observations]}
         errors = [f"{o.fields['port_name']}: {o.fields['read_error']}" for o in observations if o.fields["read_error"]]
-        return CheckOutput([*observations, Observation(self.name, node)], result, _summary(node, observations),
+        summary = _summary(node, observations)
+        if snapshot.ports and not observations:
+            summary = (f"{len(snapshot.ports)} port(s), none on a device matching devices "
+                       f"{self.config['devices']!r} (not applicable)")
+        return CheckOutput([*observations, Observation(self.name, node)], result, summary,
                            error="; ".join([*snapshot.errors, *errors]))
 
     def _observe(self, p: IbPort, now: float) -> Observation:
@@ -157,7 +162,7 @@ class InfinibandCheck(Check):
         }
         return Observation(self.name, fields)
 
-    def _node(self, observations: list[Observation], snapshot: IbSnapshot, missing: list) -> dict[str, Any]:
+    def _node(self, observations: list[Observation]) -> dict[str, Any]:
         present = [o.fields for o in observations if o.fields["present"]]
         return {
             "scope": "node", "applicable": bool(observations),

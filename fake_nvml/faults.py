@@ -216,6 +216,23 @@ def _ib(name: str):
     return apply
 
 
+# -- NVLink and fabric (the nvlink and fabric checks): applied and healed by fake_nvml/nvml_nvlink.py --
+def _nvlink(name: str):
+    """An NVLink or fabric fault (fake_nvml/nvml_nvlink.py, imported when used: it imports the node module)."""
+    def apply(f: Fault, state: "NodeState", gpu: "FakeGpu | None", node: "FakeNode") -> None:
+        from fake_nvml import nvml_nvlink
+        getattr(nvml_nvlink, name)(f, state, gpu, node)
+    return apply
+
+
+def _nvlink_heal(state: "NodeState", gpus: "list[FakeGpu]", whole_node: bool) -> None:
+    from fake_nvml import nvml_nvlink
+    nvml_nvlink.heal(state, gpus, whole_node)
+
+
+RECOVERY_HOOKS.append(_nvlink_heal)
+
+
 FAULT_KINDS: dict[str, FaultKind] = {k.name: k for k in (
     FaultKind("xid", True, {"code": int, "message": str, "pid": int, "via": str}, ("code",), _xid,
               "an XID: kernel log line and NVML event (via: both, kernel or nvml); 79 also makes the GPU lost"),
@@ -262,6 +279,19 @@ FAULT_KINDS: dict[str, FaultKind] = {k.name: k for k in (
     # -- driver plumbing faults (the driver check) --
     # -- thermal and power faults (the thermal check) --
     # -- NVLink and fabric faults (the nvlink and fabric checks) --
+    FaultKind("nvlink_errors", True, {"link": int, "counter": str, "add": int, "per_min": float}, ("link", "counter"),
+              _nvlink("nvlink_errors"), "an NVLink error counter (replay, recovery, crc_flit, crc_data) jumps by add "
+              "and/or rises per_min from now until a reset"),
+    FaultKind("nvlink_flap", True, {"link": int, "period_s": float, "down_s": float}, ("link",), _nvlink("nvlink_flap"),
+              "an NVLink goes down for down_s (default 20) at the start of every period_s (default 120), "
+              "retraining (a recovery) each time, until a reset"),
+    FaultKind("fabric_failed", True, {"status": int}, (), _nvlink("fabric_failed"),
+              "the GPU's NVLink fabric registration completes with an error status (an nvmlReturn_t, default "
+              "999 Unknown): it loses NVLink peer-to-peer"),
+    FaultKind("fabric_not_started", False, {"state": str}, (), _nvlink("fabric_unfinished"),
+              "the fabric registration of a GPU (every GPU without gpu) stays not_started (default) or in_progress"),
+    FaultKind("fabric_manager_stopped", False, {}, (), _nvlink("fabric_manager_stopped"),
+              "nv-fabricmanager stops (recover without a gpu, or reboot, starts it again)"),
     # -- InfiniBand faults (the infiniband check) --
     FaultKind("ib_port_down", False, {"device": str, "port": int, "phys_state": str}, ("device",),
               _ib("port_down"), "an InfiniBand/RoCE port goes DOWN (phys_state Polling: link lost, the default; "

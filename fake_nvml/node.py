@@ -58,6 +58,12 @@ class FakeGpu:
     retire_pending: bool = False              # a page waits for a driver reload to be retired
     # -- thermal and power state (the thermal check) --
     # -- NVLink and fabric state (the nvlink and fabric checks) --
+    # nvlinks_down above: links inactive for good. Counters move with node time (fake_nvml/nvml_nvlink.py).
+    nvlink_errors: dict[str, int] = field(default_factory=dict)        # "link/counter" -> count added so far
+    nvlink_rising: list[dict[str, Any]] = field(default_factory=list)  # {link, counter, per_min, since_s}
+    nvlink_flaps: list[dict[str, Any]] = field(default_factory=list)   # {link, period_s, down_s, since_s}
+    fabric_state: int | None = None   # NVML_GPU_FABRIC_STATE_*; None: the model's and node's (completed on NVSwitch nodes)
+    fabric_status: int = 0            # nvmlReturn_t of the fabric registration once completed
     # -- identity --
     board_part_number: str = ""      # empty: the model's (fake_nvml/identity.py)
     vbios_version: str = ""          # empty: the model's; a firmware update sets it

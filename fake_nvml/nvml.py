@@ -295,16 +295,6 @@ class FakeNvml(MemoryCalls, DriverCalls, ThermalCalls, NvlinkCalls):
             raise _error(pynvml.NVML_ERROR_NOT_SUPPORTED)
         return [pynvml.NVML_DEVICE_MIG_DISABLE, pynvml.NVML_DEVICE_MIG_DISABLE]
 
-    def nvmlDeviceGetNvLinkState(self, handle: Any, link: int) -> int:
-        gpu = self._device(handle)
-        if gpu.model.nvlink_links == 0:
-            raise _error(pynvml.NVML_ERROR_NOT_SUPPORTED)
-        if not 0 <= link < pynvml.NVML_NVLINK_MAX_LINKS:
-            raise _error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
-        if link >= gpu.model.nvlink_links:
-            raise _error(pynvml.NVML_ERROR_NOT_SUPPORTED)
-        return pynvml.NVML_FEATURE_DISABLED if link in gpu.nvlinks_down else pynvml.NVML_FEATURE_ENABLED
-
     # -- events ----------------------------------------------------------------------------------
 
     def nvmlEventSetCreate(self) -> int:

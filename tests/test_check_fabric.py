@@ -21,6 +21,7 @@ from detector.rules.engine import RuleEngine
 from detector.rules.loader import load_rules
 from fake_nvml.faults import Fault
 from fake_nvml.host import fake_host
+from fake_nvml.pci import write_sysfs
 from fake_nvml.scenario import load_scenario
 from fake_nvml.system import fake_system
 
@@ -138,6 +139,23 @@ def test_the_fake_plumbing_reader_reports_the_fault_once_it_exists(registry):
     assert diagnose_host(fake_host(node), registry, checks=["fabric"]).rules() == {"fabric-manager-not-running"}
     node.inject(Fault("recover"))
     assert diagnose_host(fake_host(node), registry, checks=["fabric"]).problems == []
+
+
+def test_the_real_pci_reader_finds_the_nvswitches_in_a_sysfs_tree(tmp_path, registry):
+    node = node_for("h100-sxm-8")
+    write_sysfs(node.snapshot(), tmp_path)
+    host = fake_host(node, sysfs_root=tmp_path)
+    host.system = StubSystem(False)
+    out = diagnose_host(host, registry, checks=["fabric"])
+    assert fields_of(out, "node")["nvswitches"] == 4 and out.rules() == {"fabric-manager-not-running"}
+
+
+def test_an_unreadable_pci_bus_leaves_the_switch_count_unknown(tmp_path, registry):
+    host = fake_host(node_for("h100-sxm-8"), sysfs_root=tmp_path / "missing")
+    host.system = StubSystem(False)
+    out = diagnose_host(host, registry, checks=["fabric"])
+    assert fields_of(out, "node")["nvswitches"] is None and out.problems == []
+    assert "PCI bus unreadable" in out.sweep.runs[0].result["node"]["note"]
 
 
 def test_drivers_before_550_use_the_unversioned_call(registry):

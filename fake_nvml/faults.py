@@ -216,6 +216,23 @@ def _ib(name: str):
     return apply
 
 
+# -- thermal and power (the thermal check): applied and healed by fake_nvml/nvml_thermal.py --
+def _thermal(name: str):
+    """A thermal or power fault (fake_nvml/nvml_thermal.py, imported when used: it imports the node module)."""
+    def apply(f: Fault, state: "NodeState", gpu: "FakeGpu | None", node: "FakeNode") -> None:
+        from fake_nvml import nvml_thermal
+        getattr(nvml_thermal, name)(f, state, gpu, node)
+    return apply
+
+
+def _thermal_heal(state: "NodeState", gpus: "list[FakeGpu]", whole_node: bool) -> None:
+    from fake_nvml import nvml_thermal
+    nvml_thermal.heal(state, gpus, whole_node)
+
+
+RECOVERY_HOOKS.append(_thermal_heal)
+
+
 # -- NVLink and fabric (the nvlink and fabric checks): applied and healed by fake_nvml/nvml_nvlink.py --
 def _nvlink(name: str):
     """An NVLink or fabric fault (fake_nvml/nvml_nvlink.py, imported when used: it imports the node module)."""
@@ -278,6 +295,18 @@ FAULT_KINDS: dict[str, FaultKind] = {k.name: k for k in (
               "ECC turned off on an ECC-capable GPU (its counters are then unavailable)"),
     # -- driver plumbing faults (the driver check) --
     # -- thermal and power faults (the thermal check) --
+    FaultKind("throttle", True, {"reason": str, "duty": float, "period_s": float}, (), _thermal("throttle"),
+              "a clock event reason (hw_slowdown, hw_thermal, hw_power_brake, sw_thermal, sw_power_cap, sync_boost; "
+              "default hw_slowdown) is on for duty (default 1.0) of every period_s (default 60) from now until a "
+              "reset; the reasons mask and the violation counters follow it"),
+    FaultKind("power_brake", True, {"duty": float, "period_s": float}, (), _thermal("power_brake"),
+              "the power supply or BMC asserts the GPU's external power brake (HW power brake slowdown) for duty "
+              "of every period_s"),
+    FaultKind("memory_temperature", True, {"celsius": int}, ("celsius",), _set("memory_temperature_c", "celsius"),
+              "the GPU's memory (HBM) temperature; a GPU without a memory sensor keeps answering NotSupported"),
+    FaultKind("power_draw", True, {"watts": float, "limit_watts": float, "utilization": int}, ("watts",),
+              _thermal("power_draw"), "the GPU draws this power (its enforced limit becomes limit_watts, its "
+              "utilization this %); a busy GPU at its limit shows the SW power cap reason, which is normal"),
     # -- NVLink and fabric faults (the nvlink and fabric checks) --
     FaultKind("nvlink_errors", True, {"link": int, "counter": str, "add": int, "per_min": float}, ("link", "counter"),
               _nvlink("nvlink_errors"), "an NVLink error counter (replay, recovery, crc_flit, crc_data) jumps by add "

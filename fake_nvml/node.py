@@ -57,6 +57,11 @@ class FakeGpu:
     retired_dbe: int = 0                      # pages retired for a double-bit error (pre-Ampere)
     retire_pending: bool = False              # a page waits for a driver reload to be retired
     # -- thermal and power state (the thermal check) --
+    # temperature_c and power_mw above are the GPU's; throttle patterns move with node time
+    # (fake_nvml/nvml_thermal.py).
+    memory_temperature_c: int = 40            # HBM temperature (NVML_FI_DEV_MEMORY_TEMP), where sensed
+    power_limit_mw: int = 0                   # enforced power limit; 0: the model's
+    throttles: list[dict[str, Any]] = field(default_factory=list)   # {reason, duty, period_s, since_s}
     # -- NVLink and fabric state (the nvlink and fabric checks) --
     # nvlinks_down above: links inactive for good. Counters move with node time (fake_nvml/nvml_nvlink.py).
     nvlink_errors: dict[str, int] = field(default_factory=dict)        # "link/counter" -> count added so far

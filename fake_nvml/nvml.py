@@ -235,34 +235,7 @@ class FakeNvml(MemoryCalls, DriverCalls, ThermalCalls, NvlinkCalls):
 
     # -- health ----------------------------------------------------------------------------------
 
-    def nvmlDeviceGetTemperature(self, handle: Any, sensor: int) -> int:
-        gpu = self._device(handle)
-        if sensor != pynvml.NVML_TEMPERATURE_GPU:
-            raise _error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
-        return gpu.temperature_c
-
-    def nvmlDeviceGetTemperatureThreshold(self, handle: Any, threshold: int) -> int:
-        gpu = self._device(handle)
-        if threshold == pynvml.NVML_TEMPERATURE_THRESHOLD_SHUTDOWN:
-            return gpu.model.temp_shutdown_c
-        if threshold == pynvml.NVML_TEMPERATURE_THRESHOLD_SLOWDOWN:
-            return gpu.model.temp_slowdown_c
-        raise _error(pynvml.NVML_ERROR_NOT_SUPPORTED)
-
-    def nvmlDeviceGetPowerUsage(self, handle: Any) -> int:
-        return self._device(handle).power_mw
-
-    def nvmlDeviceGetPowerManagementLimit(self, handle: Any) -> int:
-        return self._device(handle).model.power_limit_w * 1000
-
-    def nvmlDeviceGetCurrentClocksEventReasons(self, handle: Any) -> int:
-        gpu = self._device(handle)
-        reasons = pynvml.nvmlClocksEventReasonGpuIdle if gpu.idle else 0
-        if gpu.temperature_c >= gpu.model.temp_slowdown_c:
-            reasons |= pynvml.nvmlClocksEventReasonHwThermalSlowdown
-        return reasons
-
-    nvmlDeviceGetCurrentClocksThrottleReasons = nvmlDeviceGetCurrentClocksEventReasons
+    # Temperature, power and clock event reasons: fake_nvml/nvml_thermal.py.
 
     def nvmlDeviceGetUtilizationRates(self, handle: Any) -> pynvml.c_nvmlUtilization_t:
         gpu = self._device(handle)

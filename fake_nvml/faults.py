@@ -3,6 +3,7 @@ the PCI bus and the kernel log all tell the same story."""
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -233,6 +234,22 @@ def _thermal_heal(state: "NodeState", gpus: "list[FakeGpu]", whole_node: bool) -
 RECOVERY_HOOKS.append(_thermal_heal)
 
 
+# -- driver plumbing (the driver check): applied and healed by fake_nvml/system.py --
+def _in_module(module: str, name: str) -> Callable[..., None]:
+    """A fault's apply (or a recovery hook) that lives in a check's own fake module, imported when first
+    called: that module imports the node module, which imports this one."""
+    def call(*args: Any) -> None:
+        getattr(importlib.import_module(f"fake_nvml.{module}"), name)(*args)
+    return call
+
+
+def _driver(name: str) -> Callable[..., None]:
+    return _in_module("system", name)
+
+
+RECOVERY_HOOKS.append(_in_module("system", "heal"))
+
+
 # -- NVLink and fabric (the nvlink and fabric checks): applied and healed by fake_nvml/nvml_nvlink.py --
 def _nvlink(name: str):
     """An NVLink or fabric fault (fake_nvml/nvml_nvlink.py, imported when used: it imports the node module)."""
@@ -293,7 +310,21 @@ FAULT_KINDS: dict[str, FaultKind] = {k.name: k for k in (
               "pages retired on a pre-Ampere GPU (adds sbe/dbe; pending: one waits for a driver reload)"),
     FaultKind("ecc_disabled", True, {}, (), _set("ecc_enabled", None, False),
               "ECC turned off on an ECC-capable GPU (its counters are then unavailable)"),
-    # -- driver plumbing faults (the driver check) --
+    # -- driver plumbing faults (the driver check): applied and healed by fake_nvml/system.py --
+    FaultKind("module_unloaded", False, {"module": str}, ("module",), _driver("module_unloaded"),
+              "a kernel module is unloaded (nvidia_uvm, nvidia_modeset, nvidia_peermem ...)"),
+    FaultKind("module_loaded", False, {"module": str}, ("module",), _driver("module_loaded"),
+              "another kernel module is loaded (nouveau, which keeps the nvidia driver off the GPUs)"),
+    FaultKind("device_file_missing", False, {"name": str}, (), _driver("device_file_missing"),
+              "a /dev entry is gone: name (nvidia-uvm, nvidiactl), else the GPU's /dev/nvidiaN, else nvidia-uvm"),
+    FaultKind("version_mismatch", False, {"kernel_version": str}, (), _driver("version_mismatch"),
+              "the loaded kernel module's version differs from the user-space driver's: nvmlInit fails "
+              "with LibRmVersionMismatch until a reboot"),
+    FaultKind("persistence_off", False, {}, (), _driver("persistence_off"),
+              "persistence mode off on a GPU (every GPU without gpu)"),
+    FaultKind("recovery_action", True, {"action": str}, ("action",), _driver("recovery_action"),
+              "the driver asks for a recovery action (GPU_RESET, NODE_REBOOT, DRAIN_P2P, DRAIN_AND_RESET ...; "
+              "NVML reports it from driver 565)"),
     # -- thermal and power faults (the thermal check) --
     FaultKind("throttle", True, {"reason": str, "duty": float, "period_s": float}, (), _thermal("throttle"),
               "a clock event reason (hw_slowdown, hw_thermal, hw_power_brake, sw_thermal, sw_power_cap, sync_boost; "

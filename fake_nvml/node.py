@@ -45,6 +45,8 @@ class FakeGpu:
     remap_failure: bool = False
     nvlinks_down: list[int] = field(default_factory=list)
     persistence_mode: bool = True
+    # -- driver state (the driver check) --
+    recovery_action: int = 0         # NVML_GPU_RECOVERY_ACTION_* the driver asks for (field 230, driver 565+)
     # -- memory state (the memory check: ECC, retired pages, row remapping) --
     # ecc_corrected/ecc_uncorrected above are the volatile counts (since the driver loaded); these are
     # the aggregate counts from before, which persist in the InfoROM across reloads and resets.
@@ -135,6 +137,10 @@ class NodeState:
     nccl_wrong: int = 0              # elements an all-reduce gets wrong (silent data corruption)
     boot_id: str = "00000000-0000-0000-0000-000000000000"
     # -- node-level state of the driver plumbing check (kernel modules, device files, services) --
+    modules_unloaded: list[str] = field(default_factory=list)   # kernel modules gone (nvidia_uvm ...)
+    modules_loaded: list[str] = field(default_factory=list)     # extra modules loaded (nouveau ...)
+    device_files_missing: list[str] = field(default_factory=list)  # /dev names gone (nvidia-uvm, nvidia3)
+    kernel_module_version: str = ""  # the nvidia.ko loaded; "" = driver_version (another: a version mismatch)
     # -- node-level state of the fabric check (fabric manager) --
     fabric_manager_running: bool = True     # nv-fabricmanager's daemon (needed on NVSwitch systems)
     # -- node-level state of the infiniband check (HCA ports) --

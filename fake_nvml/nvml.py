@@ -90,6 +90,7 @@ class FakeNvml(MemoryCalls, DriverCalls, ThermalCalls, NvlinkCalls):
     def nvmlInitWithFlags(self, flags: int) -> None:
         if not self.node.read(lambda s: s.driver_loaded):
             raise _error(pynvml.NVML_ERROR_DRIVER_NOT_LOADED)
+        self._check_driver_versions()        # nvml_driver.py: LIB_RM_VERSION_MISMATCH
         with self._lock:
             self._refcount += 1
 
@@ -258,9 +259,6 @@ class FakeNvml(MemoryCalls, DriverCalls, ThermalCalls, NvlinkCalls):
                                              "gpuInstanceId": 0xFFFFFFFF, "computeInstanceId": 0xFFFFFFFF})
             procs.append(obj)
         return procs
-
-    def nvmlDeviceGetPersistenceMode(self, handle: Any) -> int:
-        return pynvml.NVML_FEATURE_ENABLED if self._device(handle).persistence_mode else pynvml.NVML_FEATURE_DISABLED
 
     def nvmlDeviceGetMigMode(self, handle: Any) -> list[int]:
         gpu = self._device(handle)

@@ -240,8 +240,11 @@ def host_mounts(workload: dict) -> dict[str, tuple[dict, dict]]:
 
 def test_daemonset_host_mounts_are_read_only_except_the_state_directory(daemonset):
     mounts = host_mounts(daemonset)
-    # Only what a check reads: /dev/kmsg (xid), /sys (visibility and pcie, as --sysfs-root /host/sys).
-    assert set(mounts) == {"/dev/kmsg", "/sys", STATE_DIR}
+    # Only what a check reads: /dev/kmsg (xid), /sys (--sysfs-root /host/sys), /proc and /dev beside it
+    # (the driver check; the fabric check's process table). No /run, no /var/log.
+    assert set(mounts) == {"/dev/kmsg", "/sys", "/proc", "/dev", STATE_DIR}
+    assert {host: mount["mountPath"] for host, (_, mount) in mounts.items() if host in ("/sys", "/proc", "/dev")} == {
+        "/sys": "/host/sys", "/proc": "/host/proc", "/dev": "/host/dev"}, "the plumbing reader looks beside --sysfs-root"
     for host_path, (_, mount) in mounts.items():
         if host_path == STATE_DIR:
             assert not mount.get("readOnly", False), "the state directory must be writable"

@@ -38,7 +38,7 @@ KUBECTL_MIN_MINOR = 27          # kustomize v5: components, replacements into li
 KWOK_EXCLUSION = {"key": "type", "operator": "NotIn", "values": ["kwok"]}
 POD_KINDS = {"DaemonSet", "Deployment", "Job"}
 # Host paths a check reads, and the one the daemon writes.
-CHECK_HOST_PATHS = {"/dev/kmsg", "/sys"}
+CHECK_HOST_PATHS = {"/dev/kmsg", "/sys", "/proc", "/dev"}
 
 
 @pytest.fixture(autouse=True)

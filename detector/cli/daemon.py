@@ -60,7 +60,7 @@ def add_daemon_parsers(sub: Any) -> None:
     r.add_argument("--state-dir", type=Path, default=_env("GPU_NPD_STATE_DIR"), metavar="DIR",
                    help="keeps the kernel-log cursor and held problems across restarts [GPU_NPD_STATE_DIR] "
                         f"(the DaemonSet uses {DEFAULT_STATE_DIR}; default: none, nothing kept)")
-    r.add_argument("--sysfs-root", type=Path, metavar="DIR", help="PCI bus under DIR (default /sys; /host/sys in a pod)")
+    r.add_argument("--sysfs-root", type=Path, metavar="DIR", help="sysfs at DIR (default /sys; /host/sys in a pod); the driver check reads proc, dev and run beside it")
     r.add_argument("--nvidia-smi", metavar="PATH", help="nvidia-smi to run (default: nvidia-smi on PATH)")
     r.add_argument("--inventory-timeout", type=float, default=10.0, metavar="S", help="NVML call timeout (default 10)")
     r.add_argument("--heartbeat", type=float, default=300.0, metavar="S",

@@ -108,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "stdin. Runs only the xid check unless --checks says otherwise; needs no NVIDIA driver")
     d.add_argument("-o", "--output", choices=("table", "json"), default="table", help="default: table")
     d.add_argument("--node-name", default=os.environ.get("NODE_NAME"), help="default: $NODE_NAME or hostname")
-    d.add_argument("--sysfs-root", type=Path, metavar="DIR", help="read the PCI bus under DIR (default: /sys)")
+    d.add_argument("--sysfs-root", type=Path, metavar="DIR", help="read sysfs (PCI bus, InfiniBand) under DIR (default: /sys); the driver check reads proc, dev and run beside it (DIR/../proc)")
     d.add_argument("--nvidia-smi", metavar="PATH", help="nvidia-smi to run (default: nvidia-smi on PATH; "
                                                         "in fake mode an in-process fake)")
     d.add_argument("--inventory-timeout", type=float, default=10.0, metavar="SECONDS",

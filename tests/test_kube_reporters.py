@@ -272,3 +272,45 @@ def test_token_bucket_and_backoff():
     delays = [b.next_delay() for _ in range(5)]
     assert 0.5 <= delays[0] <= 1.0 and all(2.0 <= d <= 4.0 for d in delays[2:])
     assert b.next_delay(retry_after_s=30.0) == 30.0
+
+
+# -- flip events (KubeReporter) ---------------------------------------------------------------------
+
+def kube_reporter(api: ScriptedApi, clock: Clock):
+    from detector.kube.reporter import KubeReporter
+    return KubeReporter(api, "n1", ["GpuXidError", "GpuMissing"], clock=clock, rng=random.Random(1))
+
+
+def created_events(api: ScriptedApi) -> list[tuple[str, str]]:
+    return [(body["reason"], body["message"]) for verb, body in api.calls if verb == "create-event"]
+
+
+def test_a_restarted_daemon_judging_before_the_node_was_read_does_not_announce_again():
+    """The agent's first sweep may finish before the sender thread has read the node: flips wait for it,
+    so a condition the node already shows True (a restart) is not announced a second time."""
+    clock = Clock(1000.0)
+    api = ScriptedApi(node={"status": {"conditions": [
+        {"type": "GpuXidError", "status": "True", "reason": "Xid79", "message": MARKER + "GPU 3: XID 79",
+         "lastTransitionTime": "2026-01-01T00:00:00Z"}]}})
+    out = kube_reporter(api, clock)
+    out.conditions([xid(True), ConditionStatus("GpuMissing", False, "NoGpuMissing", "none", None)])
+    assert created_events(api) == []
+    out.flush()                                   # reads the node, then sends
+    assert created_events(api) == []
+    out.conditions([xid(False)])
+    clock.now += 1
+    out.flush()
+    assert [reason for reason, _ in created_events(api)] == ["NoGpuXidError"]
+
+
+def test_a_condition_new_to_the_node_is_announced_once_even_if_judged_twice_before_sending():
+    clock = Clock(1000.0)
+    api = ScriptedApi()
+    out = kube_reporter(api, clock)
+    out.conditions([xid(True)])
+    out.conditions([xid(True)])                   # before the node was read
+    out.flush()
+    out.conditions([xid(True)])                   # after: unchanged
+    clock.now += 1
+    out.flush()
+    assert [reason for reason, _ in created_events(api)] == ["Xid79"]

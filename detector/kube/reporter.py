@@ -52,6 +52,12 @@ class KubeReporter(AgentSink):
         self.started = False                # the node's conditions were read (or given up on)
         self._first_try: float | None = None
         self._adopt_at = 0.0
+        # Flip events compare a judgement with the last one, starting from what the node said: None until
+        # the node was read. Judgements that come earlier wait (latest per type), so a restarted daemon
+        # does not announce again a condition the node already shows.
+        self._flip_lock = threading.Lock()
+        self._judged: dict[str, tuple[str, str]] | None = None
+        self._early: dict[str, ConditionStatus] = {}
         self._adopt_backoff = self._backoff(rng)
 
     def _backoff(self, rng: random.Random) -> Backoff:
@@ -74,31 +80,52 @@ class KubeReporter(AgentSink):
             if not e.refused and now - self._first_try >= self.settings.start_wait_s:
                 log.warning("could not read node %s for %.0fs (%s); writing conditions without its current ones",
                             self.node, now - self._first_try, e)
-                self.started = True
+                self._start({})
                 return True
             self._adopt_at = now + self._adopt_backoff.after(e.status, e.retry_after_s)
             return False
-        self.started = True
+        self._start(self.condition_out.snapshot())
         return True
+
+    def _start(self, on_node: dict[str, tuple[str, str]]) -> None:
+        """The node was read (or given up on): judge the flips that waited for it."""
+        with self._flip_lock:
+            self._judged = dict(on_node)
+            early, self._early = list(self._early.values()), {}
+            for s in early:
+                self._record_flip(s)
+        self.started = True
 
     # -- the sink -------------------------------------------------------------------------------
 
     def conditions(self, statuses: list[ConditionStatus]) -> None:
-        before = self.condition_out.snapshot()
-        if self.condition_out.update(statuses):
-            for s in statuses:
-                self._record_flip(s, before.get(s.type))
+        owned = [s for s in statuses if s.type in self.condition_out.owned]
+        flipped = False
+        with self._flip_lock:
+            for s in owned:
+                if self._judged is None:
+                    self._early[s.type] = s
+                else:
+                    flipped |= self._record_flip(s)
+        if self.condition_out.update(statuses) or flipped:
             self._pending()
 
-    def _record_flip(self, s: ConditionStatus, before: tuple[str, str] | None) -> None:
-        """An event when a condition turns true or clears, so `kubectl describe node` tells the story."""
+    def _record_flip(self, s: ConditionStatus) -> bool:
+        """An event when a condition turns true or clears, so `kubectl describe node` tells the story.
+        Called with _flip_lock held, once the node's own conditions are known; True when one was recorded."""
+        assert self._judged is not None
         status = "True" if s.active else "False"
+        before = self._judged.get(s.type)
+        self._judged[s.type] = (status, s.reason)
         if before == (status, s.reason) or (before is None and not s.active):
-            return
+            return False
         if s.active:
             self.event_out.record(_event_type(s.severity), s.reason, s.message)
-        elif before and before[0] == "True":
+        elif before is not None and before[0] == "True":
             self.event_out.record("Normal", s.reason, f"{s.type} cleared: {s.message}")
+        else:
+            return False
+        return True
 
     def events(self, problems: list[Problem]) -> None:
         for p in problems:

@@ -209,32 +209,6 @@ def _reboot(f: Fault, state: "NodeState", gpu: "FakeGpu | None", node: "FakeNode
     node.reboot()
 
 
-def _ib(name: str):
-    """An InfiniBand fault, applied by fake_nvml/infiniband.py (imported when used: it imports this module)."""
-    def apply(f: Fault, state: "NodeState", gpu: "FakeGpu | None", node: "FakeNode") -> None:
-        from fake_nvml import infiniband
-        getattr(infiniband, name)(f, state, gpu, node)
-    return apply
-
-
-# -- thermal and power (the thermal check): applied and healed by fake_nvml/nvml_thermal.py --
-def _thermal(name: str):
-    """A thermal or power fault (fake_nvml/nvml_thermal.py, imported when used: it imports the node module)."""
-    def apply(f: Fault, state: "NodeState", gpu: "FakeGpu | None", node: "FakeNode") -> None:
-        from fake_nvml import nvml_thermal
-        getattr(nvml_thermal, name)(f, state, gpu, node)
-    return apply
-
-
-def _thermal_heal(state: "NodeState", gpus: "list[FakeGpu]", whole_node: bool) -> None:
-    from fake_nvml import nvml_thermal
-    nvml_thermal.heal(state, gpus, whole_node)
-
-
-RECOVERY_HOOKS.append(_thermal_heal)
-
-
-# -- driver plumbing (the driver check): applied and healed by fake_nvml/system.py --
 def _in_module(module: str, name: str) -> Callable[..., None]:
     """A fault's apply (or a recovery hook) that lives in a check's own fake module, imported when first
     called: that module imports the node module, which imports this one."""
@@ -243,28 +217,28 @@ def _in_module(module: str, name: str) -> Callable[..., None]:
     return call
 
 
+# Faults applied by a check's own fake module, and the recovery each module does on `recover`/`reboot`:
+#   nvml_thermal   thermal and power (the thermal check)
+#   system         driver plumbing (the driver check)
+#   nvml_nvlink    NVLink and the fabric (the nvlink and fabric checks)
+#   infiniband     InfiniBand/RoCE ports (the infiniband check)
+RECOVERY_HOOKS.extend(_in_module(module, "heal") for module in ("nvml_thermal", "system", "nvml_nvlink", "infiniband"))
+
+
+def _thermal(name: str) -> Callable[..., None]:
+    return _in_module("nvml_thermal", name)
+
+
 def _driver(name: str) -> Callable[..., None]:
     return _in_module("system", name)
 
 
-RECOVERY_HOOKS.append(_in_module("system", "heal"))
+def _nvlink(name: str) -> Callable[..., None]:
+    return _in_module("nvml_nvlink", name)
 
 
-# -- NVLink and fabric (the nvlink and fabric checks): applied and healed by fake_nvml/nvml_nvlink.py --
-def _nvlink(name: str):
-    """An NVLink or fabric fault (fake_nvml/nvml_nvlink.py, imported when used: it imports the node module)."""
-    def apply(f: Fault, state: "NodeState", gpu: "FakeGpu | None", node: "FakeNode") -> None:
-        from fake_nvml import nvml_nvlink
-        getattr(nvml_nvlink, name)(f, state, gpu, node)
-    return apply
-
-
-def _nvlink_heal(state: "NodeState", gpus: "list[FakeGpu]", whole_node: bool) -> None:
-    from fake_nvml import nvml_nvlink
-    nvml_nvlink.heal(state, gpus, whole_node)
-
-
-RECOVERY_HOOKS.append(_nvlink_heal)
+def _ib(name: str) -> Callable[..., None]:
+    return _in_module("infiniband", name)
 
 
 FAULT_KINDS: dict[str, FaultKind] = {k.name: k for k in (

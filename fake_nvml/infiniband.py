@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING, Any
 
 from detector.backends.infiniband import (COUNTER_BITS, NO_PMA, PHYS_STATE_NAMES, STATE_NAMES, IbPort,
                                           IbSnapshot, counter_max)
-from fake_nvml.faults import RECOVERY_HOOKS
 
 if TYPE_CHECKING:
     from fake_nvml.faults import Fault
@@ -200,8 +199,8 @@ def _code(f: "Fault", key: str, names: dict[str, int], default: int) -> int:
     return names[value]
 
 
-def _heal(state: "NodeState", gpus: "list[FakeGpu]", whole_node: bool) -> None:
-    """A node repair or reboot: every port back, trained at full rate, its counters cleared (an HCA reset
+def heal(state: "NodeState", gpus: "list[FakeGpu]", whole_node: bool) -> None:
+    """(A RECOVERY_HOOKS entry, through fake_nvml/faults.py.) A node repair or reboot: every port back, trained at full rate, its counters cleared (an HCA reset
     clears them; after a repair, perfquery -R does) and no longer rising. A GPU reset leaves ports alone."""
     if not whole_node:
         return
@@ -209,8 +208,6 @@ def _heal(state: "NodeState", gpus: "list[FakeGpu]", whole_node: bool) -> None:
         p.state, p.phys_state, p.trained_gbps, p.present = 4, 5, None, True
         p.counters, p.rising = {}, {}
 
-
-RECOVERY_HOOKS.append(_heal)
 
 
 def ports_from_dicts(items: list[dict[str, Any]]) -> list[FakeIbPort]:

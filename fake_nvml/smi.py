@@ -41,12 +41,15 @@ EXIT_INVALID_ARGUMENT = 2
 EXIT_NOT_FOUND = 6
 EXIT_DRIVER_NOT_LOADED = 9
 EXIT_GPU_IS_LOST = 15
+EXIT_OTHER = 255                       # "Other error or internal driver error occurred" (nvidia-smi(1))
 
 _HELP_HINT = "Please run 'nvidia-smi -h' for help."
 _INVALID_COMBINATION = f"Invalid combination of input arguments. {_HELP_HINT}\n"
 _NO_DRIVER = ("NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver. "
               "Make sure that the latest NVIDIA driver is installed and running.\n\n")
 _NO_DEVICES = "No devices were found\n"
+# A user-space driver upgraded under a loaded kernel module (tests/fixtures/real_smi/gh-intel-llvm-17614.yaml)
+_VERSION_MISMATCH = "Failed to initialize NVML: Driver/library version mismatch\nNVML library version: {}\n"
 _FORMAT_OPTIONS = ("csv", "noheader", "nounits")
 
 
@@ -386,6 +389,9 @@ def run_smi(state: NodeState, argv: list[str], *, now: datetime | None = None) -
         return SmiResult(EXIT_OK, _help(state), "")
     if not state.driver_loaded:
         return SmiResult(EXIT_DRIVER_NOT_LOADED, _NO_DRIVER, "")
+    if state.kernel_module_version and state.kernel_module_version != state.driver_version:
+        library = ".".join(state.driver_version.split(".")[:2])
+        return SmiResult(EXIT_OTHER, _VERSION_MISMATCH.format(library), "")
     gpus = _select(state, args.ids)
     if not gpus:
         return SmiResult(EXIT_NOT_FOUND, _NO_DEVICES, "")

@@ -132,10 +132,9 @@ def test_an_unreadable_plumbing_reader_is_unknown_too(registry):
     assert "PermissionError" in out.sweep.runs[0].result["node"]["note"]
 
 
-def test_the_fake_plumbing_reader_reports_the_fault_once_it_exists(registry):
+def test_the_fake_plumbing_reader_reports_a_stopped_fabric_manager_until_recovery(registry):
     node = node_for("h100-sxm-8-fabric-manager-down")
-    if fake_system(node) is None:
-        pytest.skip("fake_nvml.system.fake_system does not read the fake node yet")
+    assert fake_system(node).read().fabric_manager_running is False
     assert diagnose_host(fake_host(node), registry, checks=["fabric"]).rules() == {"fabric-manager-not-running"}
     node.inject(Fault("recover"))
     assert diagnose_host(fake_host(node), registry, checks=["fabric"]).problems == []

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from detector.checks.smi_listing import parse_smi_list
 from detector.core.pciaddr import nvml_bus_id
 from fake_nvml.faults import Fault
 from fake_nvml.node import FakeNode, NodeState
@@ -117,6 +118,21 @@ def test_no_driver_fails_every_invocation_with_exit_9(argv):
 
     assert result.returncode == 9
     assert result.stdout == NO_DRIVER
+
+
+@pytest.mark.parametrize("argv", [[], ["-L"], ["--query-gpu=index", "--format=csv"]])
+def test_a_driver_upgraded_under_the_loaded_module_fails_as_the_real_one_does(argv):
+    """Text and exit status as in tests/fixtures/real_smi/gh-intel-llvm-17614.yaml, read the same way."""
+    node = node_of("h100-sxm-8")
+    node.inject(Fault("version_mismatch"))
+    state = node.snapshot()
+    result = run_smi(state, argv)
+    library = ".".join(state.driver_version.split(".")[:2])
+    assert (result.returncode, result.stdout) == (
+        255, f"Failed to initialize NVML: Driver/library version mismatch\nNVML library version: {library}\n")
+    assert (parse_smi_list(result.returncode, result.stdout).reason) == "version_mismatch"
+    node.inject(Fault("reboot"))
+    assert run_smi(node.snapshot(), ["-L"]).returncode == 0
 
 
 # -- --query-gpu ------------------------------------------------------------------------------------

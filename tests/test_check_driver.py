@@ -201,18 +201,21 @@ def test_a_reboot_class_action_survives_a_gpu_reset_not_a_reboot(registry):
     assert diagnose_host(fake_host(node), registry, checks=["driver"]).problems == []
 
 
-def test_version_mismatch_is_one_driver_condition_and_a_reboot_clears_it(registry):
+def test_version_mismatch_is_one_problem_across_checks_and_a_reboot_clears_it(registry):
+    """NVML, nvidia-smi and the driver check all see it; the node gets one problem (visibility's, as for
+    DriverNotLoaded) and the driver check's result says which module is loaded."""
     node = node_for("h100-sxm-8-driver-mismatch")
-    out = diagnose_host(fake_host(node), registry, checks=["driver"])
-    assert out.rules() == {"driver-version-mismatch"}
-    problem = out.by_rule()["driver-version-mismatch"]
-    assert (problem.type, problem.action) == ("GpuDriverUnhealthy", "RESTART_BM")
-    assert "535.183.01" in problem.message
+    out = diagnose_host(fake_host(node), registry, checks=["driver", "visibility"])
+    assert out.rules() == {"nvml-version-mismatch"}
+    [problem] = out.problems
+    assert (problem.type, problem.reason, problem.action) == ("GpuDriverUnhealthy", "DriverVersionMismatch", "RESTART_BM")
+    assert "Driver/library version mismatch" in problem.message
     fields = node_fields(out)
     assert fields["nvml_status"] == "LibRmVersionMismatch" and fields["version_mismatch"] is True
+    assert fields["kernel_module_version"] == "535.183.01"
     assert any("API mismatch" in r.message for r in node.kernel_records())
     node.inject(Fault("reboot"))
-    assert diagnose_host(fake_host(node), registry, checks=["driver"]).problems == []
+    assert diagnose_host(fake_host(node), registry, checks=["driver", "visibility"]).problems == []
 
 
 def test_missing_uvm_module_is_critical_while_nvml_still_works(registry):
@@ -300,7 +303,7 @@ def judge(engine, **fields) -> set[str]:
     ({"device_files_missing_count": 1}, {"driver-device-files-missing"}),
     ({"device_files_missing_count": None}, set()),
     ({"version_mismatch": True}, {"driver-version-differs"}), ({"version_mismatch": None}, set()),
-    ({"version_mismatch": True, "nvml_status": "LibRmVersionMismatch"}, {"driver-version-mismatch"}),
+    ({"version_mismatch": True, "nvml_status": "LibRmVersionMismatch"}, set()),    # visibility's problem
 ])
 def test_node_rule_boundaries(engine, fields, expected):
     assert judge(engine, **fields) == expected

@@ -86,7 +86,8 @@ def test_driver_library_version_mismatch_is_its_own_finding(registry):
     host.smi = _SmiSaying(255, "Failed to initialize NVML: Driver/library version mismatch\n"
                                "NVML library version: 570.124\n")
     out = diagnose_host(host, registry, checks=["visibility"])
-    assert out.rules() == {"nvidia-smi-failed", "nvidia-smi-version-mismatch"}
+    assert out.rules() == {"nvidia-smi-version-mismatch"}, "one cause, one problem"
+    assert out.by_rule()["nvidia-smi-version-mismatch"].action == "RESTART_BM"
 
 
 def test_a_gpu_that_falls_off_the_bus_is_still_named_by_its_uuid(registry):

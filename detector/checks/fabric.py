@@ -72,8 +72,7 @@ class FabricCheck(Check):
     default_timeout_s = 10.0
 
     def __init__(self, config: dict[str, Any] | None = None, clock: Callable[[], float] = time.monotonic):
-        super().__init__(config)
-        self._clock = clock
+        super().__init__(config, clock)
         self._unfinished_since: dict[str, float] = {}   # uuid -> when first seen not completed
 
     def run(self, ctx: SweepContext) -> CheckOutput:

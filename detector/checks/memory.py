@@ -79,8 +79,7 @@ class MemoryCheck(Check):
     default_timeout_s = 15.0
 
     def __init__(self, config: dict[str, Any] | None = None, clock: Callable[[], float] = time.monotonic):
-        super().__init__(config)
-        self._clock = clock
+        super().__init__(config, clock)
         self._uncorrected = CounterWindow(float(self.config["window"]))
 
     def run(self, ctx: SweepContext) -> CheckOutput:

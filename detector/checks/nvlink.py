@@ -104,8 +104,7 @@ class NvlinkCheck(Check):
     default_timeout_s = 15.0
 
     def __init__(self, config: dict[str, Any] | None = None, clock: Callable[[], float] = time.monotonic):
-        super().__init__(config)
-        self._clock = clock
+        super().__init__(config, clock)
         self._window = CounterWindow(float(self.config["window"]))
         self._device_ids: dict[str, int | None] = {}            # uuid -> PCI device id, read once
         self._last_links: dict[str, dict[int, dict[str, int]]] = {}

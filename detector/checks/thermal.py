@@ -127,8 +127,7 @@ class ThermalCheck(Check):
     default_timeout_s = 10.0
 
     def __init__(self, config: dict[str, Any] | None = None, clock: Callable[[], float] = time.monotonic):
-        super().__init__(config)
-        self._clock = clock
+        super().__init__(config, clock)
         self._window = float(self.config["window"])
         self._counters = CounterWindow(self._window)
         self._samples: dict[str, deque[tuple[float, int]]] = {}

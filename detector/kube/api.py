@@ -1,4 +1,5 @@
-"""The four API calls gpu-npd makes, with a client-side QPS limit.
+"""The API calls gpu-npd makes (the daemon: four; the fleet simulator also lists, watches and annotates
+its nodes), with a client-side QPS limit.
 
 Responses are plain JSON (no model objects): cheap in memory and CPU, which matters when one simulator
 process speaks for thousands of nodes. Failures become ApiError with what a caller needs to decide:
@@ -12,7 +13,7 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 from urllib.parse import quote
 
 import urllib3
@@ -23,6 +24,7 @@ from detector.kube.pacing import TokenBucket
 
 EVENT_NAMESPACE = "default"     # where Kubernetes keeps events about cluster-scoped objects such as Nodes
 REQUEST_TIMEOUT = urllib3.Timeout(connect=5.0, read=15.0)
+WATCH_TIMEOUT_S = 300            # a watch asks the server to end it after this long; the caller watches again
 STRATEGIC_MERGE = "application/strategic-merge-patch+json"
 MERGE_PATCH = "application/merge-patch+json"
 USER_AGENT = "gpu-npd"
@@ -90,8 +92,46 @@ class KubeApi:
 
     def list_nodes(self, label_selector: str = "") -> list[dict[str, Any]]:
         """The fleet simulator's adoption of existing (KWOK) nodes; the daemon never lists."""
+        return self.list_node_collection(label_selector).get("items", [])
+
+    def list_node_collection(self, label_selector: str = "") -> dict[str, Any]:
+        """The NodeList itself: its metadata.resourceVersion is where a watch of the same nodes starts."""
         query = f"?labelSelector={quote(label_selector)}" if label_selector else ""
-        return self._call("list", "nodes", "GET", f"/api/v1/nodes{query}").get("items", [])
+        return self._call("list", "nodes", "GET", f"/api/v1/nodes{query}")
+
+    def watch_nodes(self, label_selector: str, resource_version: str, timeout_s: int = WATCH_TIMEOUT_S,
+                    on_open: Callable[[urllib3.BaseHTTPResponse], None] | None = None) -> Iterator[dict[str, Any]]:
+        """Watch events ({"type": ADDED|MODIFIED|DELETED|BOOKMARK, "object": ...}) of the nodes matching
+        `label_selector`, from `resource_version` on, with bookmarks, until the server ends the watch
+        (after about `timeout_s`). An ERROR event raises ApiError with its Status (410: start again from a
+        fresh list); a broken connection raises ApiError(0). `on_open` gets the open response, so another
+        thread can end the watch at once (its shutdown())."""
+        query = (f"?watch=1&allowWatchBookmarks=true&resourceVersion={quote(resource_version)}"
+                 f"&timeoutSeconds={int(timeout_s)}" + (f"&labelSelector={quote(label_selector)}" if label_selector else ""))
+        read_timeout = urllib3.Timeout(connect=5.0, read=timeout_s + 30.0)
+        response = self._send("watch", "nodes", "GET", f"/api/v1/nodes{query}", timeout=read_timeout, stream=True)
+        if on_open is not None:
+            on_open(response)
+        try:
+            for line in _lines(response):
+                event = json.loads(line)
+                if event.get("type") == "ERROR":
+                    status = event.get("object") or {}
+                    raise ApiError(int(status.get("code") or 500), status.get("reason") or "Error",
+                                   status.get("message") or "watch error", None, "watch", "nodes")
+                yield event
+        except (urllib3.exceptions.HTTPError, OSError) as e:
+            raise ApiError(0, "ConnectionFailed", f"watch ended: {type(e).__name__}: {e}", None,
+                           "watch", "nodes") from None
+        except ValueError:
+            raise ApiError(0, "BadResponse", "a watch event is not JSON", None, "watch", "nodes") from None
+        finally:
+            response.release_conn()
+
+    def patch_node_annotations(self, name: str, annotations: dict[str, str | None]) -> dict[str, Any]:
+        """Set (or, with None, remove) annotations on a node: a merge patch of its metadata only."""
+        return self._call("patch", "nodes", "PATCH", f"/api/v1/nodes/{quote(name)}",
+                          {"metadata": {"annotations": annotations}}, MERGE_PATCH, name)
 
     def create_node(self, body: dict[str, Any]) -> dict[str, Any]:
         """The fleet simulator's own (KWOK) nodes; the daemon never creates one."""
@@ -116,6 +156,16 @@ class KubeApi:
 
     def _call(self, verb: str, resource: str, method: str, path: str, body: Any = None,
               content_type: str = "application/json", name: str = "") -> dict[str, Any]:
+        response = self._send(verb, resource, method, path, body, content_type, name)
+        try:
+            return json.loads(response.data) if response.data else {}
+        except ValueError:
+            raise ApiError(response.status, "BadResponse", "the API server's answer is not JSON") from None
+
+    def _send(self, verb: str, resource: str, method: str, path: str, body: Any = None,
+              content_type: str = "application/json", name: str = "", timeout: urllib3.Timeout = REQUEST_TIMEOUT,
+              stream: bool = False) -> urllib3.BaseHTTPResponse:
+        """One request, paced and counted; a 2xx response (its body unread when `stream`), else ApiError."""
         self._pace()
         headers = {"Accept": "application/json", "User-Agent": USER_AGENT}
         token = self.connection.bearer()
@@ -126,7 +176,7 @@ class KubeApi:
             payload, headers["Content-Type"] = json.dumps(body).encode(), content_type
         try:
             response = self.http.request(method, self.connection.server + path, body=payload, headers=headers,
-                                         timeout=REQUEST_TIMEOUT, retries=False, redirect=False)
+                                         timeout=timeout, retries=False, redirect=False, preload_content=not stream)
         except (urllib3.exceptions.HTTPError, OSError) as e:
             self.counts.add(verb, resource, "error")
             error = ApiError(0, "ConnectionFailed", f"{type(e).__name__}: {e}", None, verb, resource, name)
@@ -137,18 +187,28 @@ class KubeApi:
             if self.health is not None:
                 self.health.record(verb, resource, response.status)
         else:
+            if stream:
+                response.read(cache_content=True)     # the Status body, kept for _api_error
+                response.release_conn()
             error = _api_error(response, verb, resource, name)
             self._heard(error)
             raise error
-        try:
-            return json.loads(response.data) if response.data else {}
-        except ValueError:
-            raise ApiError(response.status, "BadResponse", "the API server's answer is not JSON") from None
-
+        return response
 
     def _heard(self, error: ApiError) -> None:
         if self.health is not None:
             self.health.record(error.verb, error.resource, error.status, error.message, error.name)
+
+
+def _lines(response: urllib3.BaseHTTPResponse) -> Iterator[bytes]:
+    """The newline-delimited JSON of a watch, as chunks arrive (a line may span chunks)."""
+    pending = b""
+    for chunk in response.stream(64 * 1024, decode_content=True):
+        pending += chunk
+        *lines, pending = pending.split(b"\n")
+        yield from (line for line in lines if line.strip())
+    if pending.strip():
+        yield pending
 
 
 def _api_error(response: urllib3.BaseHTTPResponse, verb: str, resource: str, name: str) -> ApiError:

@@ -15,13 +15,16 @@ from detector.agent.agent import AgentSettings, NodeAgent
 from detector.config import build_checks
 from detector.core.check import CheckRegistry
 from detector.kube.api import ApiError, KubeApi
-from detector.kube.conditions import MARKER, MESSAGE_LIMIT
+from detector.core.domain import key
+from detector.kube.conditions import MARKER, MESSAGE_LIMIT, rfc3339
 from detector.kube.reporter import KubeReporter, ReporterSettings
 from detector.rules.loader import RuleSet
+from detector.sim.annotations import INJECT_ANNOTATION, STATUS_ANNOTATION, AnnotationError, parse_faults, plan, status_value
 from detector.sim.faultlog import FaultLog
 from detector.sim.fleetfile import FleetSpec, SimNodeSpec
 from detector.sim.scheduler import Scheduler, Task
 from detector.sim.timeline import PlannedFault, plan_faults
+from detector.sim.watch import NodeWatch
 from fake_nvml.faults import Fault
 from fake_nvml.host import fake_host
 from fake_nvml.node import FakeNode
@@ -31,8 +34,8 @@ log = logging.getLogger("gpu_npd.sim")
 
 KWOK_ANNOTATION = "kwok.x-k8s.io/node"
 KWOK_TAINT = {"key": "kwok.x-k8s.io/node", "value": "fake", "effect": "NoSchedule"}
-SCENARIO_LABEL = "gpu-npd.io/scenario"
-RACK_LABEL = "gpu-npd.io/rack"
+SCENARIO_LABEL = key("scenario")
+RACK_LABEL = key("rack")
 # Every kernel line in a fleet comes from a fault the fleet injects, and an injection runs the node's
 # checks at once, so the xid check needs no 5-second polling here.
 FLEET_CHECK_DEFAULTS: dict[str, dict[str, Any]] = {"xid": {"interval": 300.0}}
@@ -45,6 +48,8 @@ class FleetSettings:
     horizon_s: float = 24 * 3600.0        # random faults are planned this far ahead
     create_nodes: bool = True             # False: adopt existing nodes (`adopt_selector`)
     adopt_selector: str = "type=kwok"
+    watch_annotations: bool = True        # faults by node annotation (one watch of every node)
+    watch_timeout_s: int = 300
     agent: AgentSettings = field(default_factory=lambda: AgentSettings(start_spread_s=0.0))
     reporter: ReporterSettings = field(default_factory=ReporterSettings)
 
@@ -56,6 +61,8 @@ class SimNode:
         self.spec, self.fake, self.agent, self.reporter = spec, fake, agent, reporter
         self.checks_task = _ChecksTask(self)
         self.send_task = _SendTask(self)
+        self.annotation = ""                  # the inject-fault value last acted on
+        self.annotated: tuple[Fault, ...] = ()  # the faults it applied, still on the node
 
     @property
     def name(self) -> str:
@@ -122,6 +129,8 @@ class Fleet:
         self._agent_settings = replace(self.settings.agent, state_dir=None,
                                        message_limit=min(self.settings.agent.message_limit,
                                                          MESSAGE_LIMIT - len(MARKER)))
+        self.watch: NodeWatch | None = None
+        self._annotation_lock = threading.Lock()
 
     # -- life -------------------------------------------------------------------------------------
 
@@ -147,10 +156,17 @@ class Fleet:
         if planned:
             self.scheduler.wake(_FaultsTask(self, planned), self.started_at + planned[0].at_s)
         self.scheduler.start()
+        if self.settings.watch_annotations:
+            selector = SCENARIO_LABEL if self.settings.create_nodes else self.settings.adopt_selector
+            self.watch = NodeWatch(self.api, selector, self.on_node_seen, self.settings.watch_timeout_s,
+                                   random.Random(self.rng.random()))
+            self.watch.start()
         progress(f"{len(self.nodes)} nodes starting over {spread:g}s; {len(planned)} faults planned")
 
     def stop(self) -> None:
         self.stopping.set()
+        if self.watch is not None:
+            self.watch.stop()
         self.scheduler.stop()
 
     # -- faults ---------------------------------------------------------------------------------------
@@ -167,6 +183,40 @@ class Fleet:
             node.agent.kick(check.name)
         self.scheduler.wake(node.checks_task)
         return record
+
+    def on_node_seen(self, node_object: dict[str, Any]) -> None:
+        """A node as listed or watched: act on its inject-fault annotation when that changed (see
+        detector/sim/annotations.py). Nodes of another simulator (or shard) are not ours to touch."""
+        metadata = node_object.get("metadata") or {}
+        node = self.nodes.get(metadata.get("name", ""))
+        if node is None:
+            return
+        value = (metadata.get("annotations") or {}).get(INJECT_ANNOTATION, "")
+        with self._annotation_lock:
+            if value == node.annotation:
+                return                          # unchanged (our own status write comes back this way)
+            node.annotation = value
+            try:
+                wanted = parse_faults(value)
+                _check_gpus(wanted, node)
+            except AnnotationError as e:
+                log.warning("node %s: %s (its faults stay as they were)", node.name, e)
+                node.reporter.event_out.record("Warning", "InvalidFaultAnnotation", f"{e}; nothing was changed")
+                self.scheduler.wake(node.send_task)
+                self._write_status(node, str(e))
+                return
+            step = plan(node.annotated, wanted)
+            for fault in step.heal + step.inject:
+                self.inject(node.name, fault, "annotation")
+            node.annotated = wanted
+        self._write_status(node)
+
+    def _write_status(self, node: SimNode, error: str | None = None) -> None:
+        try:
+            self.api.patch_node_annotations(node.name, {
+                STATUS_ANNOTATION: status_value(node.annotated, rfc3339(self.clock()), error)})
+        except ApiError as e:                   # the faults are applied; only the record of them is late
+            log.warning("node %s: cannot write %s: %s", node.name, STATUS_ANNOTATION, e)
 
     # -- building -------------------------------------------------------------------------------------
 
@@ -200,6 +250,13 @@ class Fleet:
         node = SimNode(spec, fake, agent, reporter)
         reporter.on_pending = lambda: self.scheduler.wake(node.send_task)
         return node
+
+
+def _check_gpus(faults: tuple[Fault, ...], node: SimNode) -> None:
+    for i, fault in enumerate(faults):
+        if fault.gpu is not None and fault.gpu >= node.spec.gpus:
+            where = f"{INJECT_ANNOTATION}[{i}]" if len(faults) > 1 else INJECT_ANNOTATION
+            raise AnnotationError(f"{where}.gpu: node {node.name} has GPUs 0 to {node.spec.gpus - 1}, not {fault.gpu}")
 
 
 def kwok_node(spec: SimNodeSpec, scenario: str, product: str | None = None) -> dict[str, Any]:

@@ -15,7 +15,8 @@ from typing import Iterator
 from detector.sim.fleetfile import GPU_ALL, GPU_RANDOM, FaultSpec, FleetSpec
 from fake_nvml.faults import Fault
 
-FAULT_SOURCES = ("scripted", "correlated", "random", "command")   # command: injected by hand at run time
+# command: POST /faults at run time; annotation: a node's gpu-npd.io/inject-fault (and its healing)
+FAULT_SOURCES = ("scripted", "correlated", "random", "command", "annotation")
 
 
 @dataclass(frozen=True)

@@ -181,3 +181,44 @@ def test_nodes_that_are_not_the_fleets_are_left_alone(drill):
     fleet.on_node_seen({"metadata": {"name": "someone-elses", "annotations": {INJECT_ANNOTATION: XID79}}})
     assert fleet.fault_log.records() == []
     assert STATUS_ANNOTATION not in (emulator.node("someone-elses")["metadata"].get("annotations") or {})
+
+
+# -- shards: several simulators, one fleet --------------------------------------------------------
+
+def test_shards_are_disjoint_contiguous_blocks_that_cover_the_fleet():
+    from detector.sim.fleet import shard_of
+    nodes = fleet_from_dict({"version": 1, "nodes": [{"scenario": "h100-sxm-8", "count": 30, "name": "n-{index:02d}"}]}).nodes
+    blocks = [shard_of(nodes, k, 4) for k in range(4)]
+    assert [len(b) for b in blocks] == [7, 8, 7, 8]
+    assert [n for b in blocks for n in b] == nodes
+    assert shard_of(nodes, 0, 1) == nodes
+    with pytest.raises(ValueError, match="shard 4 of 4: expected 0 to 3"):
+        shard_of(nodes, 4, 4)
+
+
+def test_two_shards_create_their_own_nodes_and_act_only_on_their_own_annotations(tmp_path):
+    data = {"version": 1, "seed": 5, "nodes": [{"scenario": "h100-sxm-8", "count": 4, "name": "sh-{index}"}],
+            "faults": [{"at": 0.2, "node": "sh-3", "kind": "pcie", "gpu": 0, "width": 8}]}
+    with Emulator(rbac_paths=(REPO_DEPLOY, REPO_DEPLOY.parent / "kwok")) as emulator:
+        kubeconfig = emulator.write_kubeconfig(tmp_path / "sim.kubeconfig", user=SIMULATOR_USER)
+        registry = CheckRegistry.from_entry_points()
+        ruleset = load_rules([builtin_rules_dir()], registry.fields_by_check())
+        fleets = [Fleet(fleet_from_dict(data), KubeApi.from_kubeconfig(str(kubeconfig), qps=500.0, burst=500),
+                        ruleset, registry, FleetSettings(workers=2, start_spread_s=0.0, watch_annotations=False,
+                                                         shard=k, shards=2),
+                        FaultLog(tmp_path / f"faults-{k}.jsonl")) for k in range(2)]
+        for fleet in fleets:
+            fleet.start()
+        try:
+            assert [sorted(f.nodes) for f in fleets] == [["sh-0", "sh-1"], ["sh-2", "sh-3"]]
+            assert sorted(n["metadata"]["name"] for n in emulator.nodes()) == ["sh-0", "sh-1", "sh-2", "sh-3"]
+            assert wait_for(lambda: [(r["node"], r["source"]) for r in fleets[1].fault_log.records()]
+                            == [("sh-3", "scripted")]), "the timeline's fault reaches the shard owning its node"
+            annotate(fleets[0], emulator, "sh-1", XID79)            # shard 0 sees the change...
+            fleets[1].on_node_seen(emulator.node("sh-1"))          # ...and so does shard 1: not its node
+            assert [r["node"] for r in fleets[0].fault_log.records()] == ["sh-1"]
+            assert [r["node"] for r in fleets[1].fault_log.records()] == ["sh-3"]
+            assert wait_for(lambda: condition(emulator, "sh-1", "GpuXidError") == "True")
+        finally:
+            for fleet in fleets:
+                fleet.stop()

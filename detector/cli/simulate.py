@@ -27,11 +27,17 @@ def add_simulate_parser(sub: Any) -> None:
                     "with its own fake GPUs and fault timeline, against a real API server (KWOK nodes) or the\n"
                     "bundled emulator. Injected faults are logged with their time; more can be injected while\n"
                     "it runs:  curl -X POST http://LISTEN/faults -d '{\"node\": \"gpu-0017\", \"kind\": \"xid\",\n"
-                    "\"gpu\": 3, \"params\": {\"code\": 79}}'.  GET /faults lists every fault injected so far.",
+                    "\"gpu\": 3, \"params\": {\"code\": 79}}'.  GET /faults lists every fault injected so far.\n"
+                    "Or, the KWOK way, annotate the node (it watches its nodes) and remove the annotation to heal:\n"
+                    "  kubectl annotate node gpu-0017 gpu-npd.io/inject-fault='{\"kind\": \"xid\", \"gpu\": 3, "
+                    "\"params\": {\"code\": 79}}'\n"
+                    "  kubectl annotate node gpu-0017 gpu-npd.io/inject-fault-\n"
+                    "What was applied is in the node's gpu-npd.io/fault-status annotation; a bad value gets an Event.",
         epilog="examples:\n"
                "  gpu-npd simulate --fleet fleet.yaml --emulator --duration 120    # all in one process\n"
                "  gpu-npd simulate --fleet fleet.yaml --kubeconfig ~/.kube/config # creates KWOK nodes\n"
                "  gpu-npd simulate --fleet fleet.yaml --adopt type=kwok           # existing KWOK nodes\n"
+               "  gpu-npd simulate --fleet fleet.yaml --kubeconfig KC --shard 1/4 # one of 4 simulators\n"
                "  kubectl apply -k deploy/kwok                                    # in a cluster with KWOK")
     s.add_argument("--fleet", type=Path, required=True, metavar="FILE", help="the fleet file (YAML; see README)")
     where = s.add_mutually_exclusive_group()
@@ -39,6 +45,10 @@ def add_simulate_parser(sub: Any) -> None:
                        help="kubeconfig [KUBECONFIG] (default: the pod's in-cluster service account)")
     where.add_argument("--emulator", action="store_true",
                        help="start the bundled Kubernetes API emulator in this process and use it")
+    s.add_argument("--shard", type=_shard, default=(0, 1), metavar="K/N",
+                   help="play only shard K (0 to N-1) of N: a contiguous block of the fleet file's nodes, so N "
+                        "simulators (the StatefulSet in deploy/kwok: K is the pod's ordinal) share one fleet "
+                        "without overlap (default 0/1: every node)")
     s.add_argument("--adopt", metavar="SELECTOR",
                    help="take existing nodes matching this label selector (sorted by name) instead of creating them")
     s.add_argument("--rules", action="append", metavar="PATH",
@@ -98,7 +108,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         raise UsageError(f"cannot configure the Kubernetes client: {e}") from None
     api.counts.listener = metrics.api_request
     settings = FleetSettings(workers=args.workers, start_spread_s=args.start_spread,
-                             create_nodes=args.adopt is None, adopt_selector=args.adopt or "")
+                             create_nodes=args.adopt is None, adopt_selector=args.adopt or "",
+                             shard=args.shard[0], shards=args.shard[1])
     settings.reporter.heartbeat_s = args.heartbeat
     fault_log = FaultLog(args.fault_log)
     fleet = Fleet(spec, api, ruleset, registry, settings, fault_log)
@@ -125,6 +136,14 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             emulator.stop()
     print(f"gpu-npd simulate: stopped; {len(fault_log.records())} faults injected", file=sys.stderr)
     return 0
+
+
+def _shard(value: str) -> tuple[int, int]:
+    """`K/N` -> (K, N), with 0 <= K < N."""
+    k, slash, n = value.partition("/")
+    if not (slash and k.strip().isdigit() and n.strip().isdigit()) or not 0 <= int(k) < int(n):
+        raise argparse.ArgumentTypeError(f"expected K/N with 0 <= K < N (shard K of N, such as 2/4), got {value!r}")
+    return int(k), int(n)
 
 
 def _tmpdir() -> str:

@@ -50,6 +50,8 @@ class FleetSettings:
     adopt_selector: str = "type=kwok"
     watch_annotations: bool = True        # faults by node annotation (one watch of every node)
     watch_timeout_s: int = 300
+    shard: int = 0                        # this process plays shard `shard` of `shards`: a disjoint block
+    shards: int = 1                       # of the fleet file's nodes (see shard_of)
     agent: AgentSettings = field(default_factory=lambda: AgentSettings(start_spread_s=0.0))
     reporter: ReporterSettings = field(default_factory=ReporterSettings)
 
@@ -221,7 +223,16 @@ class Fleet:
     # -- building -------------------------------------------------------------------------------------
 
     def _bind_nodes(self, progress: Callable[[str], None]) -> tuple[list[SimNodeSpec], dict[str, str]]:
-        """The nodes to play, and (when adopting) the fleet file's names -> the adopted nodes' names."""
+        """The nodes to play (this shard's), and (when adopting) the fleet file's names -> the adopted
+        nodes' names."""
+        specs, adopted = self._bind_all_nodes(progress)
+        mine = shard_of(specs, self.settings.shard, self.settings.shards)
+        if self.settings.shards > 1:
+            progress(f"shard {self.settings.shard}/{self.settings.shards}: {len(mine)} of {len(specs)} nodes"
+                     + (f", {mine[0].name} to {mine[-1].name}" if mine else ""))
+        return mine, adopted
+
+    def _bind_all_nodes(self, progress: Callable[[str], None]) -> tuple[list[SimNodeSpec], dict[str, str]]:
         if self.settings.create_nodes:
             return list(self.spec.nodes), {}
         found = sorted(n["metadata"]["name"] for n in self.api.list_nodes(self.settings.adopt_selector))
@@ -250,6 +261,15 @@ class Fleet:
         node = SimNode(spec, fake, agent, reporter)
         reporter.on_pending = lambda: self.scheduler.wake(node.send_task)
         return node
+
+
+def shard_of(nodes: list[SimNodeSpec], shard: int, shards: int) -> list[SimNodeSpec]:
+    """Shard `shard` (0-based) of `shards`: a contiguous block of the fleet file's nodes, the blocks as
+    even as they can be. Every process reads the same fleet file (and plans the same seeded faults), so
+    the blocks are disjoint and together the whole fleet; a fault reaches only the shard owning its node."""
+    if not 0 <= shard < shards:
+        raise ValueError(f"shard {shard} of {shards}: expected 0 to {shards - 1}")
+    return nodes[len(nodes) * shard // shards:len(nodes) * (shard + 1) // shards]
 
 
 def _check_gpus(faults: tuple[Fault, ...], node: SimNode) -> None:

@@ -126,7 +126,7 @@ def test_deploy_has_the_expected_manifests():
         ("PodMonitor", "gpu-npd"),
         ("ServiceAccount", "gpu-npd-simulator"), ("ClusterRole", "gpu-npd-simulator"),
         ("ClusterRoleBinding", "gpu-npd-simulator"), ("ConfigMap", "gpu-npd-fleet"),
-        ("Deployment", "gpu-npd-simulator"), ("Node", "kwok-gpu-manual-0"), ("Node", "kwok-gpu-manual-1"),
+        ("StatefulSet", "gpu-npd-simulator"), ("Service", "gpu-npd-simulator"), ("Node", "kwok-gpu-manual-0"), ("Node", "kwok-gpu-manual-1"),
     }
 
 
@@ -185,7 +185,8 @@ def test_kustomization_uses_every_file_of_its_directory(kustomization):
 
 
 def test_every_directory_of_deploy_is_a_kustomization_or_component():
-    directories = {p for p in DEPLOY.rglob("*") if p.is_dir()}
+    """But the Helm chart, deploy/helm (tests/test_helm.py)."""
+    directories = {p for p in DEPLOY.rglob("*") if p.is_dir() and not p.is_relative_to(DEPLOY / "helm")}
     groups = {DEPLOY / "overlays", DEPLOY / "components"}
     assert directories - groups == {k.parent for k in kustomizations()}
     assert {p.parent for p in manifest_files()} <= {k.parent for k in kustomizations()}
@@ -430,13 +431,21 @@ def test_simulator_role_adds_only_list_and_create_nodes_to_the_daemon_role():
     assert daemon <= sim
 
 
-def test_simulator_deployment_runs_the_fleet_file_as_non_root(tmp_path, registry):
+def test_simulator_statefulset_runs_the_fleet_file_as_non_root_one_shard_per_pod(tmp_path, registry):
     from detector.sim.fleetfile import load_fleet
 
-    deployment = find("Deployment", "gpu-npd-simulator")
+    deployment = find("StatefulSet", "gpu-npd-simulator")
     container = only_container(deployment)
-    parsed = build_parser().parse_args(container["args"])
+    env = {e["name"]: e for e in container["env"]}
+    assert env["SHARD_INDEX"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.labels['apps.kubernetes.io/pod-index']"
+    assert env["SHARDS"]["value"] == str(deployment["spec"]["replicas"]), "one shard per pod"
+    assert container["env"][1]["name"] == "SHARDS", "the comment's scaling patch names env/1"
+    expanded = [a.replace("$(SHARD_INDEX)", "2").replace("$(SHARDS)", "4") for a in container["args"]]
+    parsed = build_parser().parse_args(expanded)                  # as the kubelet expands them on pod 2 of 4
     assert parsed.func.__name__ == "cmd_simulate" and parsed.fleet == Path("/etc/gpu-npd-sim/fleet.yaml")
+    assert parsed.shard == (2, 4)
+    assert find("Service", "gpu-npd-simulator")["spec"]["clusterIP"] == "None"
+    assert deployment["spec"]["serviceName"] == "gpu-npd-simulator"
     assert pod_spec(deployment)["serviceAccountName"] == "gpu-npd-simulator"
     assert pod_spec(deployment)["securityContext"]["runAsNonRoot"] is True
     assert container["securityContext"]["readOnlyRootFilesystem"] is True

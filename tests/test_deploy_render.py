@@ -36,7 +36,7 @@ K8S_VERSIONS = ("1.30", "1.35")
 KUBECTL_CANDIDATES = (REPO / ".venv" / "tools" / "kubectl", REPO / ".venv" / "bin" / "kubectl")
 KUBECTL_MIN_MINOR = 27          # kustomize v5: components, replacements into list items and dotted keys
 KWOK_EXCLUSION = {"key": "type", "operator": "NotIn", "values": ["kwok"]}
-POD_KINDS = {"DaemonSet", "Deployment", "Job"}
+POD_KINDS = {"DaemonSet", "Deployment", "StatefulSet", "Job"}
 # Host paths a check reads, and the one the daemon writes.
 CHECK_HOST_PATHS = {"/dev/kmsg", "/sys", "/proc", "/dev"}
 

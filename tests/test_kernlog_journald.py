@@ -220,3 +220,22 @@ def test_real_journalctl_never_raises():
     assert r.available()
     for _ in range(2):
         assert isinstance(r.read_available(), list)
+
+
+@pytest.mark.parametrize("raw", [
+    b'{"MESSAGE": "x"}', b'{"MESSAGE": "x"}  ', b'{"MESSAGE": "x"} {"MESSAGE": "y"}', b'{"MESSAGE": "x"},',
+    b'{"MESSAGE": "caf\xc3\xa9"}', b'{"MESSAGE": "\xff"}', b'{"MESSAGE": "x"', b'["MESSAGE"]', b'{"a": 1e999}',
+    b'{"MESSAGE": "\\ud800"}', b'{"MESSAGE": "x"}\x0b',
+])
+def test_fast_line_decoding_is_json_loads(raw):
+    from detector.backends.kernlog.journald import _loads
+
+    try:
+        expected: object = json.loads(raw)
+    except ValueError:
+        expected = ValueError                   # refused (JSONDecodeError or UnicodeDecodeError)
+    try:
+        got: object = _loads(raw)
+    except ValueError:
+        got = ValueError
+    assert got == expected

@@ -39,6 +39,20 @@ def normalize_boot_id(value: str | None) -> str | None:
     """journald writes boot ids as 32 hex digits; /proc writes the dashed UUID form. Use the latter."""
     if not value:
         return None
+    known = _BOOT_IDS.get(value)
+    if known is not None:
+        return known
+    normal = _normalize_boot_id(value)
+    if len(_BOOT_IDS) >= 64:           # a node has a handful of boots; never grow without bound
+        _BOOT_IDS.clear()
+    _BOOT_IDS[value] = normal
+    return normal
+
+
+_BOOT_IDS: dict[str, str] = {}       # every entry carries _BOOT_ID: normalise each value once
+
+
+def _normalize_boot_id(value: str) -> str:
     h = value.replace("-", "").lower()
     if len(h) != 32:
         return value
@@ -61,6 +75,11 @@ def _text(value: Any) -> str | None:
 
 
 def _int(value: Any) -> int | None:
+    if type(value) is str:            # what journalctl writes for every field: the fast path
+        try:
+            return int(value)
+        except ValueError:
+            return None
     text = _text(value) if not isinstance(value, int) else str(value)
     try:
         return int(text) if text is not None else None
@@ -68,8 +87,9 @@ def _int(value: Any) -> int | None:
         return None
 
 
-def parse_entry(entry: dict[str, Any]) -> LogLine | None:
-    """One `journalctl -o json` entry as a LogLine; None when it has no usable MESSAGE."""
+def parse_entry(entry: dict[str, Any], kernel_fields: bool = True) -> LogLine | None:
+    """One `journalctl -o json` entry as a LogLine; None when it has no usable MESSAGE.
+    `kernel_fields` False: the caller knows no key starts with _KERNEL_ (its raw line has no such text)."""
     text = _text(entry.get("MESSAGE"))
     if text is None:
         return None
@@ -83,7 +103,7 @@ def parse_entry(entry: dict[str, Any]) -> LogLine | None:
     if monotonic is None:
         monotonic = _int(entry.get("__MONOTONIC_TIMESTAMP"))
     fields = NO_FIELDS
-    kernel = {k[len("_KERNEL_"):]: v for k, v in entry.items() if k.startswith("_KERNEL_")}
+    kernel = {k[len("_KERNEL_"):]: v for k, v in entry.items() if k.startswith("_KERNEL_")} if kernel_fields else None
     if kernel:   # kmsg continuation lines, stored by journald as _KERNEL_SUBSYSTEM, _KERNEL_DEVICE, ...
         fields = {k: t for k, v in kernel.items() if (t := _text(v)) is not None}
     return LogLine(text=text, boot_id=normalize_boot_id(_text(entry.get("_BOOT_ID"))),
@@ -206,7 +226,7 @@ class JournaldReader:
             if not raw or raw.startswith(b"-- "):     # blank, or an informational line such as "-- No entries --"
                 continue
             try:
-                entry = json.loads(raw)
+                entry = _loads(raw)
             except ValueError:
                 self.stats.malformed += 1
                 continue
@@ -217,7 +237,7 @@ class JournaldReader:
             if isinstance(cursor, str) and cursor:
                 self.cursor = cursor
                 self._cursor_boot = normalize_boot_id(_text(entry.get("_BOOT_ID")))
-            line = parse_entry(entry)
+            line = parse_entry(entry, b'"_KERNEL_' in raw)
             if line is None:
                 self.stats.malformed += 1
                 continue
@@ -235,6 +255,21 @@ class JournaldReader:
     def _save(self) -> None:
         if self.cursor is not None:
             self.cursor_store.save({"cursor": self.cursor, "boot_id": self._cursor_boot})
+
+
+_decode = json.JSONDecoder().raw_decode
+
+
+def _loads(raw: bytes) -> Any:
+    """json.loads(raw) for one output line, without its per-call overhead when the line starts with '{"'
+    (what json.loads would then decode as UTF-8 anyway); any other line goes to json.loads itself."""
+    if raw[:2] != b'{"':
+        return json.loads(raw)
+    s = raw.decode("utf-8", "surrogatepass")
+    value, end = _decode(s)
+    if end != len(s) and s[end:].strip(" \t\n\r"):
+        raise ValueError("extra data after the JSON value")
+    return value
 
 
 def _bytes(value: bytes | str | None) -> bytes:

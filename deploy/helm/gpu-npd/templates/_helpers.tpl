@@ -92,7 +92,7 @@ Where the ConfigMap is mounted, and so where --config and --rules look.
 
 {{/*
 gpuNodeSelectorTerms, each with {key: type, operator: NotIn, values: [kwok]} added unless the term
-already says something about the label `type`.
+already says something about the label `type`; as YAML {terms: [...]} (fromYaml reads maps only).
 */}}
 {{- define "gpu-npd.nodeSelectorTerms" -}}
 {{- $terms := list }}
@@ -107,7 +107,7 @@ already says something about the label `type`.
 {{- end }}
 {{- $terms = append $terms (merge (dict "matchExpressions" $expressions) (omit . "matchExpressions")) }}
 {{- end }}
-{{- toYaml $terms }}
+{{- toYaml (dict "terms" $terms) }}
 {{- end }}
 
 {{/*

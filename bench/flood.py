@@ -83,6 +83,9 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=600.0, metavar="S",
                         help="give up on a source when the daemon has not read the flood after S seconds")
     parser.add_argument("--keep", action="store_true", help="keep the work directory (daemon logs, state)")
+    parser.add_argument("--profile", metavar="DIR",
+                        help="profile the daemon's scheduler thread (where the xid check, the rules and the kernel-log "
+                             "reads run) with cProfile; writes DIR/SOURCE.prof (read it with python -m pstats)")
     args = parser.parse_args()
     if args.lines is not None and args.lines < 1:
         parser.error("--lines must be at least 1")
@@ -97,7 +100,10 @@ def main() -> int:
     with Emulator(rbac_paths=(ROOT / "deploy" / "base",)) as emulator:
         for source in sources:
             lines = args.lines if args.lines is not None else DEFAULT_LINES[source]
-            figures[source] = _flood(emulator, source, lines, args.xid_every, args.timeout, workdir / source)
+            profile = str(Path(args.profile).resolve() / f"{source}.prof") if args.profile else ""
+            if profile:
+                Path(profile).parent.mkdir(parents=True, exist_ok=True)
+            figures[source] = _flood(emulator, source, lines, args.xid_every, args.timeout, workdir / source, profile)
             _say(source, figures[source])
     figures["budget_lines_per_cpu_s"] = BUDGET_LINES_PER_S
     figures["nothing_lost"] = all(f["nothing_lost"] for f in figures.values() if isinstance(f, dict))
@@ -122,7 +128,8 @@ def _say(source: str, f: dict[str, Any]) -> None:
 # -- the parent: emulator, flood, measurements -------------------------------------------------------------
 
 
-def _flood(emulator: Any, source: str, lines: int, xid_every: int, timeout_s: float, workdir: Path) -> dict[str, Any]:
+def _flood(emulator: Any, source: str, lines: int, xid_every: int, timeout_s: float, workdir: Path,
+           profile: str = "") -> dict[str, Any]:
     workdir.mkdir(parents=True)
     node = f"flood-{source}"
     emulator.create_node(node, labels={"nvidia.com/gpu.present": "true"})
@@ -149,7 +156,8 @@ def _flood(emulator: Any, source: str, lines: int, xid_every: int, timeout_s: fl
         fake.chmod(fake.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
         env["PATH"] = f"{bindir}{os.pathsep}{env.get('PATH', '')}"
         env["FLOOD_JOURNAL"] = str(journal_file)
-    command = [sys.executable, str(Path(__file__).resolve()), "--daemon-child", source, child_arg, str(stats_file), "--",
+    command = [sys.executable, str(Path(__file__).resolve()), "--daemon-child", source, child_arg, str(stats_file), profile,
+               "--",
                "run", "--nvml", "fake:h100-sxm-8", "--node-name", node, "--kubeconfig", str(kubeconfig),
                "--listen", "127.0.0.1:0", "--state-dir", str(state), "--checks", "xid", "--log-format", "json",
                "--start-spread", "0", "--qps", "50", "--burst", "100",
@@ -199,7 +207,7 @@ def _flood(emulator: Any, source: str, lines: int, xid_every: int, timeout_s: fl
     lost = sum(reader.get(k, 0) for k in ("lost_records", "overruns", "malformed", "errors", "timeouts", "failures"))
     xid_in = sum(expected.values())
     counted = child_stats.get("xid_counted", 0)
-    cpu = max(cpu1 - cpu0, 1e-9)
+    cpu = max(cpu1 - cpu0, 0.01)                      # psutil counts CPU time in 10 ms ticks
     figures = {
         "source": source, "lines": lines, "xid_every": xid_every,
         "lines_read": reader.get("records", reader.get("entries", 0)),
@@ -302,10 +310,10 @@ def _write_json(path: Path, value: Any) -> None:
 
 
 def _daemon_child(argv: list[str]) -> int:
-    """`--daemon-child SOURCE FD STATS -- run ...`: gpu-npd's own `run` command, its host opened as usual
-    and only its kernel-log reader replaced by the flood's; the reader's and the xid check's counts are
-    written to STATS when it stops."""
-    source, fd, stats_path = argv[0], argv[1], Path(argv[2])
+    """`--daemon-child SOURCE FD STATS PROFILE -- run ...`: gpu-npd's own `run` command, its host opened as
+    usual and only its kernel-log reader replaced by the flood's; the reader's and the xid check's counts are
+    written to STATS when it stops (and the scheduler thread's profile to PROFILE, unless empty)."""
+    source, fd, stats_path, profile = argv[0], argv[1], Path(argv[2]), argv[3]
     run_args = argv[argv.index("--") + 1:]
 
     import detector.backends.select as select_mod
@@ -337,6 +345,23 @@ def _daemon_child(argv: list[str]) -> int:
         totals["xid_counted"] += len(out.result.get("kernel_events", ())) + out.result.get("kernel_events_omitted", 0)
         return out
 
+    if profile:
+        import cProfile
+
+        from detector.daemon.run import Daemon
+
+        loop = Daemon._schedule_loop
+
+        def profiled_loop(self: Any) -> None:
+            profiler = cProfile.Profile()
+            profiler.enable()
+            try:
+                loop(self)
+            finally:
+                profiler.disable()
+                profiler.dump_stats(profile)
+
+        Daemon._schedule_loop = profiled_loop                         # type: ignore[method-assign]
     select_mod.open_host = flood_host
     XidCheck.run = counted_run                                       # type: ignore[method-assign]
     code = gpu_npd(run_args)

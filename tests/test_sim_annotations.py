@@ -222,3 +222,14 @@ def test_two_shards_create_their_own_nodes_and_act_only_on_their_own_annotations
         finally:
             for fleet in fleets:
                 fleet.stop()
+
+
+def test_scenarios_faults_lists_every_kind_an_annotation_may_name(capsys):
+    from detector.cli.main import main
+    from fake_nvml.faults import FAULT_KINDS
+
+    assert main(["scenarios", "--faults"]) == 0
+    out = capsys.readouterr().out
+    kinds = [line.split()[0] for line in out.splitlines() if line and not line.startswith(" ")]
+    assert kinds == sorted(FAULT_KINDS)
+    assert any(line.startswith("xid ") and "gpu, code: int" in line for line in out.splitlines())

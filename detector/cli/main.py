@@ -130,6 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.set_defaults(func=cmd_validate_rules)
 
     s = sub.add_parser("scenarios", help="list the bundled fake-node scenarios for --nvml fake:NAME")
+    s.add_argument("--faults", action="store_true",
+                   help="list the fault kinds instead: what each does and its parameters, for scenario files, "
+                        "fleet files, POST /faults and the gpu-npd.io/inject-fault annotation")
     s.set_defaults(func=cmd_scenarios)
 
     from detector.cli.daemon import add_daemon_parsers
@@ -290,6 +293,13 @@ def cmd_validate_rules(args: argparse.Namespace) -> int:
 def cmd_scenarios(args: argparse.Namespace) -> int:
     from fake_nvml.scenario import bundled_scenarios, load_scenario
 
+    if args.faults:
+        from fake_nvml.faults import FAULT_KINDS
+
+        for kind in sorted(FAULT_KINDS.values(), key=lambda k: k.name):
+            params = ", ".join(f"{p}{'' if p in kind.required else '?'}: {t.__name__}" for p, t in kind.params.items())
+            print(f"{kind.name:24} {'gpu, ' if kind.needs_gpu else ''}{params or '-'}\n{'':24} {kind.help}")
+        return EXIT_HEALTHY
     for name in bundled_scenarios():
         print(f"{name:28} {load_scenario(name).description}")
     return EXIT_HEALTHY

@@ -5,45 +5,64 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import socket
+import ssl
 import sys
 import threading
 import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
-from urllib.parse import parse_qsl, unquote, urlsplit
+from typing import Any, Callable, Iterator, Mapping, Sequence
+from urllib.parse import parse_qsl, urlsplit
 
-import yaml
-
+from kube_emulator import discovery
+from kube_emulator.access import impersonate, review
+from kube_emulator.changes import DEFAULT_CAPACITY
 from kube_emulator.faults import Decision, Faults
-from kube_emulator.patch import PATCH_TYPES, PatchError, UnsupportedPatchType, apply_patch
-from kube_emulator.rbac import (ADMIN, MASTERS, SA_PREFIX, Attributes, Authorizer, Tokens, User, deploy_rbac,
-                                forbidden_message, load_policy)
+from kube_emulator.kinds import LEASES
+from kube_emulator.kubeconfig import Identity, build_kubeconfig, write_kubeconfig
+from kube_emulator.patch import (
+    PATCH_TYPES,
+    PatchError,
+    UnsupportedPatchType,
+    apply_patch,
+)
+from kube_emulator.rbac import (
+    ADMIN,
+    MASTERS,
+    Attributes,
+    Authorizer,
+    Tokens,
+    User,
+    deploy_rbac,
+    forbidden_message,
+    load_policy,
+)
+from kube_emulator.routes import HEALTH_PATHS, Route, allowed, route_for, verb_for
 from kube_emulator.stats import Stats
-from kube_emulator.store import (EVENTS, KINDS, NODES, ApiError, Kind, Store, bad_request, clone, rfc3339,
-                                  to_json)
+from kube_emulator.store import (
+    EVENTS,
+    NODES,
+    ApiError,
+    Kind,
+    Store,
+    bad_request,
+    clone,
+    rfc3339,
+    to_json,
+)
+from kube_emulator.table import to_table, wants_table
+from kube_emulator.tls import ServerTls
+from kube_emulator.watch import open_watch
 
 log = logging.getLogger("kube_emulator")
 
 DEFAULT_USER = "system:serviceaccount:gpu-npd:gpu-npd"
-HEALTH_PATHS = ("healthz", "livez", "readyz")
-VERSION = {"major": "1", "minor": "31", "gitVersion": "v1.31.0", "gitCommit": "0" * 40, "gitTreeState": "clean",
-           "buildDate": "2024-08-13T07:28:49Z", "goVersion": "go1.22.5", "compiler": "gc",
-           "platform": "linux/amd64"}
-_ALL_VERBS = ["create", "delete", "get", "list", "patch", "update"]
-API_RESOURCES = {
-    "kind": "APIResourceList", "apiVersion": "v1", "groupVersion": "v1",
-    "resources": [
-        {"name": "events", "singularName": "event", "namespaced": True, "kind": "Event", "verbs": _ALL_VERBS,
-         "shortNames": ["ev"]},
-        {"name": "nodes", "singularName": "node", "namespaced": False, "kind": "Node", "verbs": _ALL_VERBS,
-         "shortNames": ["no"]},
-        {"name": "nodes/status", "singularName": "", "namespaced": False, "kind": "Node",
-         "verbs": ["get", "patch", "update"]},
-    ]}
+KUBECONFIG_IDENTITIES = (DEFAULT_USER, ADMIN)   # what `--kubeconfig-out` writes: the daemon's, then the admin's
+BOOKMARK_INTERVAL_S = 10.0
+NODE_LEASE_NAMESPACE = "kube-node-lease"
+VERSION = discovery.VERSION
 
 _FAIL_TEXT = {
     429: ("TooManyRequests", "Too many requests, please try again later."),
@@ -80,6 +99,7 @@ class Response:
     drop: bool = False
     close: bool = False
     after: Callable[[], None] | None = None   # run once the response has been written
+    stream: Iterator[bytes] | None = None     # a watch: `body` is unused, each item is sent as one chunk
 
     @classmethod
     def of(cls, code: int, obj: Any, headers: dict[str, str] | None = None) -> "Response":
@@ -92,68 +112,6 @@ class Response:
     @classmethod
     def error(cls, e: ApiError) -> "Response":
         return cls.of(e.code, e.status(), e.headers)
-
-
-@dataclass(frozen=True)
-class Route:
-    """Where a path leads: a resource (kind, namespace, name, subresource) or a fixed document."""
-
-    template: str
-    kind: Kind | None = None
-    namespace: str = ""
-    name: str = ""
-    subresource: str = ""
-    document: str = ""
-
-
-def route_for(path: str) -> Route | None:
-    parts = [unquote(p) for p in path.split("/") if p]
-    if not parts:
-        return Route("/", document="root")
-    if len(parts) == 1 and parts[0] in HEALTH_PATHS + ("version", "api", "apis"):
-        return Route("/" + parts[0], document=parts[0])
-    if parts[:2] != ["api", "v1"]:
-        return None
-    rest = parts[2:]
-    if not rest:
-        return Route("/api/v1", document="api/v1")
-    namespace = ""
-    if rest[0] == "namespaces" and len(rest) >= 3:
-        namespace, rest = rest[1], rest[2:]
-    kind = KINDS.get(rest[0])
-    if kind is None or len(rest) > 3:
-        return None
-    name = rest[1] if len(rest) > 1 else ""
-    sub = rest[2] if len(rest) > 2 else ""
-    if kind.namespaced and not namespace and name:
-        return None   # /api/v1/events/{name}: only the cross-namespace list exists
-    if not kind.namespaced and namespace:
-        return None
-    if sub and (sub != "status" or not kind.has_status):
-        return None
-    return Route(kind.resource + (f"/{sub}" if sub else ""), kind, namespace, name, sub)
-
-
-def verb_for(method: str, route: Route | None, query: Mapping[str, str]) -> str:
-    """The Kubernetes authorization verb of a request."""
-    if route is None or route.kind is None:
-        return method.lower()
-    if method in ("GET", "HEAD"):
-        if route.name:
-            return "get"
-        return "watch" if query.get("watch", "").lower() in ("1", "true") else "list"
-    return {"POST": "create", "PUT": "update", "PATCH": "patch",
-            "DELETE": "delete" if route.name else "deletecollection"}.get(method, method.lower())
-
-
-def _allowed(route: Route, verb: str) -> bool:
-    if route.subresource:
-        return verb in ("get", "update", "patch")
-    if route.name:
-        return verb in ("get", "update", "patch", "delete")
-    if verb == "create":
-        return route.kind is not None and (not route.kind.namespaced or bool(route.namespace))
-    return verb == "list"
 
 
 def _bearer(headers: Mapping[str, str]) -> str | None:
@@ -170,14 +128,21 @@ class _HttpServer(ThreadingHTTPServer):
     request_queue_size = 1024       # hundreds of clients connecting at once must not overflow the backlog
     allow_reuse_address = True      # up() binds the same port again at once
 
-    def __init__(self, address: tuple[str, int], app: "Emulator"):
+    def __init__(self, address: tuple[str, int], app: "Emulator", tls: ssl.SSLContext | None = None):
         self.app = app
+        self.tls = tls
         self._connections: set[socket.socket] = set()
         self._connections_lock = threading.Lock()
         self._closing = False
         if ":" in address[0]:
             self.address_family = socket.AF_INET6
         super().__init__(address, _Handler)
+
+    def get_request(self) -> tuple[socket.socket, Any]:
+        conn, address = super().get_request()
+        if self.tls is not None:   # the handshake happens in the connection's own thread (_Handler.setup)
+            conn = self.tls.wrap_socket(conn, server_side=True, do_handshake_on_connect=False)
+        return conn, address
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         if isinstance(sys.exc_info()[1], OSError):
@@ -200,8 +165,8 @@ class _HttpServer(ThreadingHTTPServer):
 
 
 def _shutdown(conn: socket.socket) -> None:
-    try:
-        conn.shutdown(socket.SHUT_RDWR)
+    try:   # the TCP socket itself: SSLSocket.shutdown would also drop its TLS state under a reading thread
+        socket.socket.shutdown(conn, socket.SHUT_RDWR)
     except OSError:
         pass
 
@@ -221,6 +186,7 @@ class _Headers(dict):
 
 
 _MAX_HEADERS = 100
+_HANDSHAKE_TIMEOUT_S = 10.0
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -229,8 +195,16 @@ class _Handler(BaseHTTPRequestHandler):
     server: _HttpServer
 
     def setup(self) -> None:
-        super().setup()
-        self.server.track(self.connection, True)
+        self.server.track(self.request, True)
+        try:
+            if isinstance(self.request, ssl.SSLSocket):
+                self.request.settimeout(_HANDSHAKE_TIMEOUT_S)
+                self.request.do_handshake()
+                self.request.settimeout(None)
+            super().setup()
+        except BaseException:
+            self.server.track(self.request, False)
+            raise
 
     def finish(self) -> None:
         try:
@@ -258,7 +232,9 @@ class _Handler(BaseHTTPRequestHandler):
             if raw in (b"\r\n", b"\n", b""):
                 break
             name, _, value = str(raw, "latin-1").partition(":")
-            headers[name.strip().lower()] = value.strip()
+            key = name.strip().lower()
+            # a repeated header (kubectl --as-group a --as-group b) is one comma-separated value
+            headers[key] = f"{headers[key]},{value.strip()}" if key in headers else value.strip()
         else:
             self.send_error(431, "Too many headers")
             return False
@@ -279,7 +255,10 @@ class _Handler(BaseHTTPRequestHandler):
         if response.drop:
             self.close_connection = True
             return
-        self._write(response)
+        if response.stream is not None:
+            self._write_stream(response)
+        else:
+            self._write(response)
         if response.after is not None:
             response.after()
 
@@ -313,19 +292,46 @@ class _Handler(BaseHTTPRequestHandler):
         head = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
         self.wfile.write(head if self.command == "HEAD" else head + response.body)
 
+    def _write_stream(self, response: Response) -> None:
+        """A watch: chunked transfer encoding, one chunk per event, each sent as soon as it is made."""
+        assert response.stream is not None
+        lines = [f"HTTP/1.1 {response.code} OK", f"Content-Type: {response.content_type}",
+                 "Transfer-Encoding: chunked", "Cache-Control: no-cache, private"]
+        lines += [f"{k}: {v}" for k, v in response.headers.items()]
+        stream = response.stream
+        try:
+            self.wfile.write(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1"))
+            for chunk in stream:
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+            self.wfile.write(b"0\r\n\r\n")
+        finally:
+            close = getattr(stream, "close", None)
+            if close is not None:
+                close()
+
 
 # --- The emulator ---------------------------------------------------------------------------------
 
 class Emulator:
-    """An in-process Kubernetes API server for core/v1 Nodes and Events.
+    """An in-process Kubernetes API server: core/v1 Nodes, Events and Pods, coordination.k8s.io/v1
+    Leases, with watches, discovery, RBAC, impersonation and server-side dry run.
 
     Several may run in one process: each has its own objects, tokens, RBAC, faults and stats.
     """
 
-    def __init__(self, rbac_paths: Sequence[Path] | None = None, clock: Callable[[], float] = time.time):
-        """`rbac_paths`: RBAC YAML files or directories (default: deploy/base's RBAC, as packaged)."""
+    def __init__(self, rbac_paths: Sequence[Path] | None = None, clock: Callable[[], float] = time.time,
+                 https: bool = False, watch_history: int = DEFAULT_CAPACITY,
+                 bookmark_interval_s: float = BOOKMARK_INTERVAL_S):
+        """`rbac_paths`: RBAC YAML files or directories (default: deploy/base's RBAC, as packaged).
+        `https`: serve HTTPS with a certificate from a CA made for this emulator (`ca_pem`; the
+        kubeconfigs it writes carry it). `watch_history`: how many changes are kept for watches
+        that start from a resourceVersion (older ones answer 410 Gone). `bookmark_interval_s`: how
+        often a watch with allowWatchBookmarks=true gets a BOOKMARK."""
         self.clock = clock
-        self.store = Store(clock)
+        self.https = https
+        self.bookmark_interval_s = bookmark_interval_s
+        self._tls: ServerTls | None = None
+        self.store = Store(clock, watch_history)
         self.tokens = Tokens()
         self.authorizer = Authorizer(load_policy(rbac_paths if rbac_paths is not None else (deploy_rbac("base"),)))
         self.faults = Faults(clock)
@@ -366,6 +372,7 @@ class Emulator:
             self._require_started()
             self._cancel_up_timer()
             server, self._server = self._server, None
+            self.store.changes.wake()     # open watches see the server gone and end
             if server is not None:
                 server.shutdown()
                 server.server_close()
@@ -395,7 +402,19 @@ class Emulator:
     @property
     def url(self) -> str:
         host, port = self._require_started()
-        return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+        scheme = "https" if self.https else "http"
+        return f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
+
+    @property
+    def ca_pem(self) -> bytes | None:
+        """The PEM certificate of the CA that signed the serving certificate (None over plain HTTP)."""
+        return self._tls.ca_pem if self._tls is not None else None
+
+    def write_ca(self, path: Path | str) -> Path:
+        """Write the CA certificate (for clients configured by file, e.g. `curl --cacert`)."""
+        if self._tls is None:
+            raise RuntimeError("the emulator serves plain HTTP: there is no CA (start it with https=True)")
+        return self._tls.write_ca(path)
 
     def __enter__(self) -> "Emulator":
         if self._address is None:
@@ -406,7 +425,9 @@ class Emulator:
         self.stop()
 
     def _listen(self, address: tuple[str, int]) -> None:
-        server = _HttpServer(address, self)
+        if self.https and self._tls is None:
+            self._tls = ServerTls([address[0]])
+        server = _HttpServer(address, self, self._tls.server_context() if self._tls is not None else None)
         self._server = server
         self._address = server.server_address[:2]
         threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True,
@@ -430,24 +451,17 @@ class Emulator:
         groups default to those Kubernetes gives such a user."""
         return self.tokens.issue(user, groups)
 
-    def write_kubeconfig(self, path: Path | str, user: str = DEFAULT_USER) -> Path:
-        """A kubeconfig that reaches this emulator as `user` (file mode 0600: it holds a token)."""
-        path = Path(path)
-        context: dict[str, str] = {"cluster": "kube-emulator", "user": user}
-        if user.startswith(SA_PREFIX):
-            context["namespace"] = user[len(SA_PREFIX):].split(":", 1)[0]
-        config = {
-            "apiVersion": "v1", "kind": "Config", "preferences": {},
-            "clusters": [{"name": "kube-emulator", "cluster": {"server": self.url}}],
-            "users": [{"name": user, "user": {"token": self.token_for(user)}}],
-            "contexts": [{"name": "kube-emulator", "context": context}],
-            "current-context": "kube-emulator",
-        }
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            yaml.safe_dump(config, f, sort_keys=False)
-        return path
+    def write_kubeconfig(self, path: Path | str, user: str = DEFAULT_USER,
+                         identities: Sequence[str] = ()) -> Path:
+        """A kubeconfig that reaches this emulator (with its CA when it serves HTTPS), file mode 0600.
+
+        It has one user (with its bearer token) and one context per identity: `user`, whose
+        context is the current one, then each of `identities` ("admin", "system:serviceaccount:
+        <ns>:<name>", or any name). Contexts are named after the identity (`admin`,
+        `gpu-npd:gpu-npd`): `kubectl --context admin ...` switches."""
+        names = list(dict.fromkeys([user, *identities]))
+        config = build_kubeconfig(self.url, [Identity(name, self.token_for(name)) for name in names], self.ca_pem)
+        return write_kubeconfig(path, config)
 
     # Faults and stats ----------------------------------------------------------------------------
 
@@ -506,7 +520,19 @@ class Emulator:
                              "osImage": "Ubuntu 24.04.1 LTS", "systemUUID": ""},
             },
         }
-        return clone(self.store.create(NODES, None, node))
+        created = self.store.create(NODES, None, node)
+        self._renew_node_lease(created)
+        return clone(created)
+
+    def _renew_node_lease(self, node: dict) -> None:
+        """The kubelet's heartbeat Lease (kube-node-lease/<node>), which `kubectl describe node` shows."""
+        meta = node["metadata"]
+        now = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(self.clock())) + ".000000Z"
+        lease = {"metadata": {"name": meta["name"], "namespace": NODE_LEASE_NAMESPACE,
+                              "ownerReferences": [{"apiVersion": "v1", "kind": "Node", "name": meta["name"],
+                                                   "uid": meta["uid"]}]},
+                 "spec": {"holderIdentity": meta["name"], "leaseDurationSeconds": 40, "renewTime": now}}
+        self.store.update(LEASES, NODE_LEASE_NAMESPACE, meta["name"], lambda _: lease, allow_create=True)
 
     def node(self, name: str) -> dict:
         return clone(self.store.get(NODES, None, name))
@@ -588,20 +614,25 @@ class Emulator:
             return Response(200, b"ok", "text/plain; charset=utf-8")
         if user is None:
             raise ApiError(401, "Unauthorized", "Unauthorized")
+        user = impersonate(request.headers, user, self.authorizer)
         if route is None:
             raise ApiError(404, "NotFound", "the server could not find the requested resource", {})
+        if route.review:
+            if verb != "create":
+                raise _method_not_allowed()
+            return Response.of(201, review(route.review, request.json(), user, self.authorizer))
         if route.kind is None:
             attrs = Attributes(user, verb, path=request.path)
         else:
-            if verb == "watch":
-                raise ApiError(405, "MethodNotAllowed", "watch is not supported")
-            if not _allowed(route, verb):
-                raise ApiError(405, "MethodNotAllowed", "the server does not allow this method on the requested "
-                                                        "resource", {})
-            attrs = Attributes(user, verb, route.kind.resource, route.subresource, route.namespace, route.name)
-        allowed, reason = self.authorizer.authorize(attrs)
-        if not allowed:
+            if not allowed(route, verb):
+                raise _method_not_allowed()
+            attrs = Attributes(user, verb, route.kind.resource, route.subresource, route.namespace, route.name,
+                               route.group)
+        permitted, reason = self.authorizer.authorize(attrs)
+        if not permitted:
             details: dict[str, Any] = {"kind": attrs.resource} if attrs.resource else {}
+            if attrs.api_group:
+                details = {"group": attrs.api_group, **details}
             if attrs.name:
                 details = {"name": attrs.name, **details}
             raise ApiError(403, "Forbidden", forbidden_message(attrs, reason), details)
@@ -611,37 +642,43 @@ class Emulator:
 
     def _document(self, route: Route, request: Request) -> Response:
         if request.method not in ("GET", "HEAD"):
-            raise ApiError(405, "MethodNotAllowed", "the server does not allow this method on the requested "
-                                                    "resource", {})
+            raise _method_not_allowed()
         host, port = self._require_started()
-        documents: dict[str, Any] = {
-            "root": {"paths": ["/api", "/api/v1", "/apis", "/healthz", "/livez", "/readyz", "/version"]},
-            "version": VERSION,
-            "api": {"kind": "APIVersions", "versions": ["v1"],
-                    "serverAddressByClientCIDRs": [{"clientCIDR": "0.0.0.0/0", "serverAddress": f"{host}:{port}"}]},
-            "apis": {"kind": "APIGroupList", "apiVersion": "v1", "groups": []},
-            "api/v1": API_RESOURCES,
-        }
-        return Response.of(200, documents[route.document])
+        doc = discovery.document(route.document, f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
+        if doc is None:
+            raise ApiError(404, "NotFound", "the server could not find the requested resource", {})
+        return Response.of(200, doc)
 
     def _resource(self, request: Request, route: Route, kind: Kind, verb: str) -> Response:
         namespace = route.namespace or None
         q = request.query
+        if verb == "watch":
+            return self._watch(request, route, kind)
         if verb == "list":
             try:
                 limit = int(q.get("limit") or 0)
             except ValueError:
                 raise bad_request(f"invalid limit {q.get('limit')!r}") from None
-            return Response.of(200, self.store.list(kind, namespace, q.get("labelSelector", ""),
-                                                    q.get("fieldSelector", ""), limit, q.get("continue", "")))
+            found = self.store.list(kind, namespace, q.get("labelSelector", ""), q.get("fieldSelector", ""), limit,
+                                    q.get("continue", ""))
+            if wants_table(request.headers):
+                return Response.of(200, to_table(kind, found["items"], self.clock(), q, found["metadata"]))
+            return Response.of(200, found)
         if verb == "get":
-            return Response.raw(200, self.store.encode(kind, self.store.get(kind, namespace, route.name)))
+            obj = self.store.get(kind, namespace, route.name)
+            if wants_table(request.headers):
+                meta = {"resourceVersion": obj["metadata"].get("resourceVersion", "")}
+                return Response.of(200, to_table(kind, [obj], self.clock(), q, meta))
+            return Response.raw(200, self.store.encode(kind, obj))
+        dry_run = _dry_run(q.get("dryRun"))
         if verb == "create":
-            return Response.raw(201, self.store.encode(kind, self.store.create(kind, namespace, request.json())))
+            obj = self.store.create(kind, namespace, request.json(), dry_run)
+            return Response.raw(201, self.store.encode(kind, obj))
         if verb == "update":
             body = request.json()
             obj, created = self.store.update(kind, namespace, route.name, lambda _: body, route.subresource,
-                                             allow_create=kind.create_on_update and not route.subresource)
+                                             allow_create=kind.create_on_update and not route.subresource,
+                                             dry_run=dry_run)
             return Response.raw(201 if created else 200, self.store.encode(kind, obj))
         if verb == "patch":
             content_type = request.headers.get("Content-Type") or ""
@@ -650,14 +687,35 @@ class Emulator:
             patch = request.json()
             obj, _ = self.store.update(
                 kind, namespace, route.name,
-                lambda current: apply_patch(content_type, current, patch, kind.merge_keys), route.subresource)
+                lambda current: apply_patch(content_type, current, patch, kind.merge_keys), route.subresource,
+                dry_run=dry_run)
             return Response.raw(200, self.store.encode(kind, obj))
         options = request.json() if request.body.strip() else {}
-        deleted = self.store.delete(kind, namespace, route.name,
-                                    (options or {}).get("preconditions") if isinstance(options, dict) else None)
+        options = options if isinstance(options, dict) else {}
+        if options.get("dryRun"):
+            dry_run = _dry_run(options["dryRun"]) or dry_run
+        deleted = self.store.delete(kind, namespace, route.name, options.get("preconditions"), dry_run)
         meta = deleted["metadata"]
         return Response.of(200, {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success",
-                                 "details": {"name": meta["name"], "kind": kind.resource, "uid": meta["uid"]}})
+                                 "details": {"name": meta["name"], **({"group": kind.group} if kind.group else {}),
+                                             "kind": kind.resource, "uid": meta["uid"]}})
+
+    def _watch(self, request: Request, route: Route, kind: Kind) -> Response:
+        query = dict(request.query)
+        if route.name:   # GET .../nodes/{name}?watch=1: a watch of that one object
+            by_name = f"metadata.name={route.name}"
+            query["fieldSelector"] = f"{query['fieldSelector']},{by_name}" if query.get("fieldSelector") else by_name
+        render = None
+        if wants_table(request.headers):   # kubectl get -w: each event's object is a one-row Table
+            to_table(kind, [], self.clock(), query)    # a bad includeObject answers 400 before the stream starts
+
+            def render(obj: dict[str, Any]) -> dict[str, Any]:
+                meta = {"resourceVersion": (obj.get("metadata") or {}).get("resourceVersion", "")}
+                return to_table(kind, [obj], self.clock(), query, meta)
+        server = self._server
+        stream = open_watch(self.store, kind, route.namespace or None, query, lambda: self._server is server,
+                            self.bookmark_interval_s, render)
+        return Response(200, stream=stream)
 
     # Control API (/emulator/...) -----------------------------------------------------------------
 
@@ -696,6 +754,22 @@ class Emulator:
         except (TypeError, ValueError) as e:
             raise bad_request(f"emulator {action}: {e}") from None
         return ok
+
+
+def _method_not_allowed() -> ApiError:
+    return ApiError(405, "MethodNotAllowed", "the server does not allow this method on the requested resource", {})
+
+
+def _dry_run(value: Any) -> bool:
+    """The dryRun parameter (query string or DeleteOptions): absent, or "All" (the one value Kubernetes
+    knows); anything else is refused, never taken for a real write."""
+    values = value if isinstance(value, list) else [value] if value not in (None, "") else []
+    if not values:
+        return False
+    if values == ["All"]:
+        return True
+    raise ApiError(400, "BadRequest", f'dryRun: Unsupported value: {json.dumps(values[0] if len(values) == 1 else values)}: '
+                                      'supported values: "All"')
 
 
 def _fault_response(decision: Decision) -> Response:

@@ -1,5 +1,6 @@
-"""Stored objects (core/v1 Nodes and Events), their validation, selectors and the errors the API
-answers with, all behind one lock so concurrent requests see a single order of changes."""
+"""Stored objects (core/v1 Nodes and Events here; Pods and Leases in kinds.py), their validation,
+selectors and the errors the API answers with, all behind one lock so concurrent requests see a
+single order of changes, which the change log (changes.py) keeps for watches."""
 
 from __future__ import annotations
 
@@ -10,9 +11,18 @@ import re
 import threading
 import time
 import uuid
+from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 
+from kube_emulator.changes import (
+    ADDED,
+    DEFAULT_CAPACITY,
+    DELETED,
+    MODIFIED,
+    Change,
+    ChangeLog,
+)
 from kube_emulator.patch import PRIMITIVE
 
 Key = tuple[str, str]  # (namespace, name); namespace "" for cluster-scoped objects
@@ -42,18 +52,28 @@ class ApiError(Exception):
         return body
 
 
-def not_found(resource: str, name: str) -> ApiError:
-    return ApiError(404, "NotFound", f'{resource} "{name}" not found', {"name": name, "kind": resource})
+def _details(resource: str, name: str, group: str) -> dict[str, Any]:
+    return {"name": name, **({"group": group} if group else {}), "kind": resource}
 
 
-def already_exists(resource: str, name: str) -> ApiError:
-    return ApiError(409, "AlreadyExists", f'{resource} "{name}" already exists', {"name": name, "kind": resource})
+def _qualified(resource: str, group: str) -> str:
+    return f"{resource}.{group}" if group else resource
+
+
+def not_found(resource: str, name: str, group: str = "") -> ApiError:
+    return ApiError(404, "NotFound", f'{_qualified(resource, group)} "{name}" not found',
+                    _details(resource, name, group))
+
+
+def already_exists(resource: str, name: str, group: str = "") -> ApiError:
+    return ApiError(409, "AlreadyExists", f'{_qualified(resource, group)} "{name}" already exists',
+                    _details(resource, name, group))
 
 
 def conflict(resource: str, name: str, why: str = "the object has been modified; please apply your changes "
-             "to the latest version and try again") -> ApiError:
-    return ApiError(409, "Conflict", f'Operation cannot be fulfilled on {resource} "{name}": {why}',
-                    {"name": name, "kind": resource})
+             "to the latest version and try again", group: str = "") -> ApiError:
+    return ApiError(409, "Conflict", f'Operation cannot be fulfilled on {_qualified(resource, group)} "{name}": {why}',
+                    _details(resource, name, group))
 
 
 def bad_request(message: str) -> ApiError:
@@ -88,11 +108,11 @@ CONDITION_STATUSES = ("False", "True", "Unknown")
 TAINT_EFFECTS = ("NoExecute", "NoSchedule", "PreferNoSchedule")
 
 
-def _value_invalid(path: str, value: Any, why: str) -> Cause:
+def value_invalid(path: str, value: Any, why: str) -> Cause:
     return Cause(path, f"Invalid value: {json.dumps(value)}: {why}")
 
 
-def _required(path: str) -> Cause:
+def required(path: str) -> Cause:
     return Cause(path, "Required value", "FieldValueRequired")
 
 
@@ -114,90 +134,90 @@ def _validate_labels(labels: Any, path: str) -> list[Cause]:
     if labels is None:
         return []
     if not isinstance(labels, dict):
-        return [_value_invalid(path, labels, "must be a map of strings")]
+        return [value_invalid(path, labels, "must be a map of strings")]
     causes = []
     for key, value in labels.items():
         prefix, _, name = key.rpartition("/")
         if (prefix and not is_subdomain(prefix)) or len(name) > 63 or not _QUALIFIED_NAME.fullmatch(name):
-            causes.append(_value_invalid(path, key, "name part must consist of alphanumeric characters, '-', '_' "
+            causes.append(value_invalid(path, key, "name part must consist of alphanumeric characters, '-', '_' "
                                                     "or '.', and must start and end with an alphanumeric character"))
         if not isinstance(value, str) or len(value) > 63 or not _LABEL_VALUE.fullmatch(value):
-            causes.append(_value_invalid(f"{path}", value, "a valid label must be an empty string or consist of "
+            causes.append(value_invalid(f"{path}", value, "a valid label must be an empty string or consist of "
                                                            "alphanumeric characters, '-', '_' or '.'"))
     return causes
 
 
-def _validate_metadata(obj: dict) -> list[Cause]:
+def validate_metadata(obj: dict) -> list[Cause]:
     meta = obj.get("metadata")
     if not isinstance(meta, dict):
-        return [_required("metadata")]
+        return [required("metadata")]
     name = meta.get("name")
     if not name:
         causes = [Cause("metadata.name", "Required value: name or generateName is required", "FieldValueRequired")]
     elif not is_subdomain(name):
-        causes = [_value_invalid("metadata.name", name, _SUBDOMAIN_MSG)]
+        causes = [value_invalid("metadata.name", name, _SUBDOMAIN_MSG)]
     else:
         causes = []
     causes += _validate_labels(meta.get("labels"), "metadata.labels")
     annotations = meta.get("annotations")
     if annotations is not None and (not isinstance(annotations, dict)
                                     or not all(isinstance(v, str) for v in annotations.values())):
-        causes.append(_value_invalid("metadata.annotations", annotations, "must be a map of strings"))
+        causes.append(value_invalid("metadata.annotations", annotations, "must be a map of strings"))
     return causes
 
 
 def _validate_times(obj: Mapping[str, Any], names: Iterable[str], path: str) -> list[Cause]:
-    return [_value_invalid(f"{path}{n}", obj[n], "must be an RFC 3339 timestamp")
+    return [value_invalid(f"{path}{n}", obj[n], "must be an RFC 3339 timestamp")
             for n in names if obj.get(n) is not None and not is_rfc3339(obj[n])]
 
 
 def validate_node(node: dict) -> list[Cause]:
-    causes = _validate_metadata(node)
+    causes = validate_metadata(node)
     spec = node.get("spec") or {}
     for i, taint in enumerate(spec.get("taints") or []):
         if not isinstance(taint, dict) or not taint.get("key"):
-            causes.append(_required(f"spec.taints[{i}].key"))
+            causes.append(required(f"spec.taints[{i}].key"))
         elif taint.get("effect") not in TAINT_EFFECTS:
             causes.append(_unsupported(f"spec.taints[{i}].effect", taint.get("effect"), TAINT_EFFECTS))
     status = node.get("status") or {}
     conditions = status.get("conditions") or []
     if not isinstance(conditions, list):
-        return causes + [_value_invalid("status.conditions", conditions, "must be a list")]
+        return causes + [value_invalid("status.conditions", conditions, "must be a list")]
     seen: set[str] = set()
     for i, cond in enumerate(conditions):
         path = f"status.conditions[{i}]"
         if not isinstance(cond, dict):
-            causes.append(_value_invalid(path, cond, "must be an object"))
+            causes.append(value_invalid(path, cond, "must be an object"))
             continue
         kind = cond.get("type")
         if not kind:
-            causes.append(_required(f"{path}.type"))
+            causes.append(required(f"{path}.type"))
         elif kind in seen:
             causes.append(Cause(f"{path}.type", f"Duplicate value: {json.dumps(kind)}", "FieldValueDuplicate"))
         else:
             seen.add(kind)
         if cond.get("status") not in CONDITION_STATUSES:
-            causes.append(_required(f"{path}.status") if not cond.get("status")
+            causes.append(required(f"{path}.status") if not cond.get("status")
                           else _unsupported(f"{path}.status", cond.get("status"), CONDITION_STATUSES))
         causes += _validate_times(cond, ("lastHeartbeatTime", "lastTransitionTime"), f"{path}.")
     for i, address in enumerate(status.get("addresses") or []):
         if not isinstance(address, dict) or not address.get("type"):
-            causes.append(_required(f"status.addresses[{i}].type"))
+            causes.append(required(f"status.addresses[{i}].type"))
     return causes
 
 
 def validate_event(event: dict) -> list[Cause]:
     """Legacy core/v1 Event rules, including the namespace agreement Kubernetes insists on."""
-    causes = _validate_metadata(event)
+    causes = validate_metadata(event)
     involved = event.get("involvedObject")
     if not isinstance(involved, dict):
-        causes.append(_required("involvedObject"))
+        causes.append(required("involvedObject"))
         involved = {}
     if not event.get("reason"):
-        causes.append(_required("reason"))
+        causes.append(required("reason"))
     count = event.get("count")
     if count is not None and (not isinstance(count, int) or isinstance(count, bool) or count < 0):
-        causes.append(_value_invalid("count", count, "must be greater than or equal to 0"))
+        causes.append(value_invalid("count", count, "must be greater than or equal to 0"))
     causes += _validate_times(event, ("firstTimestamp", "lastTimestamp", "eventTime"), "")
     namespace = (event.get("metadata") or {}).get("namespace", "")
     involved_ns = involved.get("namespace") or ""
@@ -207,9 +227,9 @@ def validate_event(event: dict) -> list[Cause]:
         ok = bool(involved_ns) or namespace in ("default", "kube-system")
         for name in ("reportingComponent", "reportingInstance", "action"):
             if not event.get(name):
-                causes.append(_required(name))
+                causes.append(required(name))
     if not ok:
-        causes.append(_value_invalid("involvedObject.namespace", involved_ns, "does not match event.namespace"))
+        causes.append(value_invalid("involvedObject.namespace", involved_ns, "does not match event.namespace"))
     return causes
 
 
@@ -227,29 +247,42 @@ class Kind:
     field_selectors: frozenset[str]
     validate: Callable[[dict], list[Cause]]
     create_on_update: bool = False
+    group: str = ""                  # "" is the core group (/api/v1), else /apis/{group}/{version}
+    version: str = "v1"
+    singular: str = ""
+    short_names: tuple[str, ...] = ()
 
     @property
     def list_kind(self) -> str:
         return self.kind + "List"
 
+    @property
+    def api_version(self) -> str:
+        return f"{self.group}/{self.version}" if self.group else self.version
 
-_META_MERGE_KEYS = {"metadata.finalizers": PRIMITIVE, "metadata.ownerReferences": "uid"}
+    @property
+    def qualified(self) -> str:
+        """The resource as RBAC messages and Status details name it: `leases.coordination.k8s.io`."""
+        return f"{self.resource}.{self.group}" if self.group else self.resource
+
+
+META_MERGE_KEYS = {"metadata.finalizers": PRIMITIVE, "metadata.ownerReferences": "uid"}
 
 NODES = Kind(
     resource="nodes", kind="Node", namespaced=False, has_status=True,
-    merge_keys={**_META_MERGE_KEYS, "spec.taints": "key", "spec.podCIDRs": PRIMITIVE,
+    merge_keys={**META_MERGE_KEYS, "spec.taints": "key", "spec.podCIDRs": PRIMITIVE,
                 "status.conditions": "type", "status.addresses": "type"},
     field_selectors=frozenset({"metadata.name", "spec.unschedulable"}),
-    validate=validate_node)
+    validate=validate_node, singular="node", short_names=("no",))
 
 EVENTS = Kind(
-    resource="events", kind="Event", namespaced=True, has_status=False, merge_keys=dict(_META_MERGE_KEYS),
+    resource="events", kind="Event", namespaced=True, has_status=False, merge_keys=dict(META_MERGE_KEYS),
     field_selectors=frozenset({
         "metadata.name", "metadata.namespace", "involvedObject.kind", "involvedObject.namespace",
         "involvedObject.name", "involvedObject.uid", "involvedObject.apiVersion",
         "involvedObject.resourceVersion", "involvedObject.fieldPath", "reason", "reportingComponent",
         "source", "type"}),
-    validate=validate_event, create_on_update=True)
+    validate=validate_event, create_on_update=True, singular="event", short_names=("ev",))
 
 KINDS: dict[str, Kind] = {k.resource: k for k in (NODES, EVENTS)}
 
@@ -351,12 +384,14 @@ class Store:
     modify what the store returns.
     """
 
-    def __init__(self, clock: Callable[[], float] = time.time):
+    def __init__(self, clock: Callable[[], float] = time.time, history: int = DEFAULT_CAPACITY):
+        """`history`: how many changes the change log keeps for watches starting from a resourceVersion."""
         self._clock = clock
         self._lock = threading.RLock()
         self._rv = 0
-        self._objects: dict[str, dict[Key, dict]] = {resource: {} for resource in KINDS}
+        self._objects: dict[str, dict[Key, dict]] = defaultdict(dict)
         self._json: dict[tuple[str, Key], tuple[dict, bytes]] = {}
+        self.changes = ChangeLog(history)
 
     @property
     def resource_version(self) -> str:
@@ -366,6 +401,16 @@ class Store:
         self._rv += 1
         return str(self._rv)
 
+    def _record(self, kind: Kind, type_: str, old: dict | None, new: dict) -> None:
+        """Called under the lock, right after the _bump() that gave `new` its resourceVersion."""
+        self.changes.record(Change(self._rv, kind.resource, type_, old, new))
+
+    def snapshot(self, kind: Kind) -> tuple[list[dict], int]:
+        """Every object of a kind and the resourceVersion they are current at, taken together (a
+        watch's initial ADDED events, then the changes after that resourceVersion)."""
+        with self._lock:
+            return [obj for _, obj in sorted(self._objects[kind.resource].items(), key=lambda i: i[0])], self._rv
+
     @staticmethod
     def _key(kind: Kind, namespace: str | None, name: str) -> Key:
         return (namespace or "") if kind.namespaced else "", name
@@ -374,7 +419,7 @@ class Store:
         with self._lock:
             obj = self._objects[kind.resource].get(self._key(kind, namespace, name))
         if obj is None:
-            raise not_found(kind.resource, name)
+            raise not_found(kind.resource, name, kind.group)
         return obj
 
     def encode(self, kind: Kind, obj: dict) -> bytes:
@@ -410,10 +455,12 @@ class Store:
             meta["continue"] = _encode_continue(rv, [last.get("namespace", ""), last["name"]])
             meta["remainingItemCount"] = len(selected) - limit
             selected = selected[:limit]
-        return {"kind": kind.list_kind, "apiVersion": "v1", "metadata": meta,
+        return {"kind": kind.list_kind, "apiVersion": kind.api_version, "metadata": meta,
                 "items": [{k: v for k, v in obj.items() if k not in ("apiVersion", "kind")} for obj in selected]}
 
-    def create(self, kind: Kind, namespace: str | None, body: Any) -> dict:
+    def create(self, kind: Kind, namespace: str | None, body: Any, dry_run: bool = False) -> dict:
+        """Store a new object; with `dry_run`, validate it and return what would be stored, storing
+        nothing (no resourceVersion, as the API server answers a dry run)."""
         if not isinstance(body, dict):
             raise bad_request(f"the body of the request must be a {kind.kind} object")
         obj = clone(body)
@@ -427,7 +474,7 @@ class Store:
             meta["namespace"] = namespace
         else:
             meta.pop("namespace", None)
-        obj["apiVersion"], obj["kind"] = "v1", kind.kind
+        obj["apiVersion"], obj["kind"] = kind.api_version, kind.kind
         for server_set in ("uid", "resourceVersion", "creationTimestamp", "deletionTimestamp", "selfLink"):
             meta.pop(server_set, None)
         with self._lock:
@@ -439,11 +486,14 @@ class Store:
             key = self._key(kind, namespace, meta["name"])
             table = self._objects[kind.resource]
             if key in table:
-                raise already_exists(kind.resource, meta["name"])
+                raise already_exists(kind.resource, meta["name"], kind.group)
             meta["uid"] = str(uuid.uuid4())
             meta["creationTimestamp"] = rfc3339(self._clock())
+            if dry_run:
+                return obj
             meta["resourceVersion"] = self._bump()
             table[key] = obj
+            self._record(kind, ADDED, None, obj)
         return obj
 
     def _generated_name(self, kind: Kind, namespace: str | None, prefix: str) -> str:
@@ -454,34 +504,35 @@ class Store:
                 return name
 
     def update(self, kind: Kind, namespace: str | None, name: str, build: Callable[[dict], Any],
-               subresource: str = "", allow_create: bool = False) -> tuple[dict, bool]:
+               subresource: str = "", allow_create: bool = False, dry_run: bool = False) -> tuple[dict, bool]:
         """Replace an object with `build(current)`; returns (stored object, created). `build` must
         return a new object and leave its argument as it is.
 
         `.status` only changes through the status subresource, and the status subresource changes
         nothing else. A body carrying a resourceVersion other than the stored one is a conflict. An
-        update that changes nothing keeps the resourceVersion, as Kubernetes does.
+        update that changes nothing keeps the resourceVersion, as Kubernetes does. With `dry_run`
+        everything is checked and the result returned, and nothing is stored.
         """
         with self._lock:
             key = self._key(kind, namespace, name)
             current = self._objects[kind.resource].get(key)
             if current is None:
                 if not allow_create:
-                    raise not_found(kind.resource, name)
+                    raise not_found(kind.resource, name, kind.group)
                 body = build({})
                 if isinstance(body, dict) and isinstance(body.get("metadata"), dict):
                     body["metadata"].pop("resourceVersion", None)
                     if body["metadata"].get("name") not in (None, name):
                         raise _name_mismatch(body["metadata"]["name"], name)
                     body["metadata"]["name"] = name
-                return self.create(kind, namespace, body), True
+                return self.create(kind, namespace, body, dry_run), True
             new = build(current)
             if not isinstance(new, dict):
                 raise bad_request(f"the result must be a {kind.kind} object")
             meta = new.get("metadata") if isinstance(new.get("metadata"), dict) else {}
             sent_rv = meta.get("resourceVersion")
             if sent_rv and sent_rv != current["metadata"]["resourceVersion"]:
-                raise conflict(kind.resource, name)
+                raise conflict(kind.resource, name, group=kind.group)
             if meta.get("name") not in (None, name):
                 raise _name_mismatch(meta["name"], name)
             if kind.namespaced and meta.get("namespace") not in (None, namespace):
@@ -491,10 +542,11 @@ class Store:
             causes = kind.validate(result)
             if causes:
                 raise invalid(kind.kind, name, causes)
-            if result == current:
-                return current, False
+            if result == current or dry_run:
+                return (current if result == current else result), False
             result["metadata"]["resourceVersion"] = self._bump()
             self._objects[kind.resource][key] = result
+            self._record(kind, MODIFIED, current, result)
             return result, False
 
     @staticmethod
@@ -502,7 +554,7 @@ class Store:
         if subresource == "status":
             return {**current, "metadata": dict(current["metadata"]), "status": new.get("status") or {}}
         result = dict(new)
-        result["apiVersion"], result["kind"] = "v1", kind.kind
+        result["apiVersion"], result["kind"] = kind.api_version, kind.kind
         meta = dict(new.get("metadata") or {})
         for kept in ("name", "namespace", "uid", "creationTimestamp", "resourceVersion"):
             if kept in current["metadata"]:
@@ -516,26 +568,29 @@ class Store:
                 result.pop("status", None)
         return result
 
-    def delete(self, kind: Kind, namespace: str | None, name: str, preconditions: Mapping[str, Any] | None = None
-               ) -> dict:
+    def delete(self, kind: Kind, namespace: str | None, name: str, preconditions: Mapping[str, Any] | None = None,
+               dry_run: bool = False) -> dict:
         with self._lock:
             key = self._key(kind, namespace, name)
             current = self._objects[kind.resource].get(key)
             if current is None:
-                raise not_found(kind.resource, name)
+                raise not_found(kind.resource, name, kind.group)
             meta = current["metadata"]
             pre = preconditions or {}
             if pre.get("uid") and pre["uid"] != meta["uid"]:
                 raise conflict(kind.resource, name, f"Precondition failed: UID in precondition: {pre['uid']}, "
-                                                    f"UID in object meta: {meta['uid']}")
+                                                    f"UID in object meta: {meta['uid']}", kind.group)
             if pre.get("resourceVersion") and pre["resourceVersion"] != meta["resourceVersion"]:
                 raise conflict(kind.resource, name,
                                f"the ResourceVersion in the precondition ({pre['resourceVersion']}) does not match "
                                f"the ResourceVersion in record ({meta['resourceVersion']}). "
-                               "The object might have been modified")
+                               "The object might have been modified", kind.group)
+            if dry_run:
+                return current
             del self._objects[kind.resource][key]
             self._json.pop((kind.resource, key), None)
-            self._bump()
+            rv = self._bump()
+            self._record(kind, DELETED, current, {**current, "metadata": {**meta, "resourceVersion": rv}})
             return current
 
 

@@ -121,6 +121,28 @@ def test_cursor_is_passed_on_the_next_call(tmp_path):
     assert again.argv == [BASE + ["--after-cursor", cursor(3), "-n", "5000"]]
 
 
+def test_a_full_run_is_followed_at_once_so_a_flood_is_read_in_one_go():
+    """A run that returns max_entries entries means more are waiting: the reader runs journalctl again
+    within the same read, until a run comes back short (or MAX_ENTRIES_PER_READ in all)."""
+    runner = FakeJournalctl([output(entry(1)), output(entry(2), entry(3)), output(entry(4), entry(5)),
+                             output(entry(6)), output(entry(7))])
+    r = reader(runner, start="beginning", max_entries=2)
+    assert [line.monotonic_us - 1406725001 for line in r.read_available()] == [1]      # the first run: no cursor
+    assert [line.monotonic_us - 1406725001 for line in r.read_available()] == [2, 3, 4, 5, 6]
+    assert runner.argv[1:] == [BASE + ["--after-cursor", cursor(i), "-n", "2"] for i in (1, 3, 5)]
+    assert [line.monotonic_us - 1406725001 for line in r.read_available()] == [7]
+
+
+def test_the_runs_of_one_read_are_capped(monkeypatch):
+    from detector.backends.kernlog import journald
+    monkeypatch.setattr(journald, "MAX_ENTRIES_PER_READ", 4)
+    runner = FakeJournalctl([output(entry(i), entry(i + 1)) for i in range(1, 20, 2)])
+    r = reader(runner, start="beginning", max_entries=2)
+    r.read_available()                                   # entries 1-2 (a full run, but no cursor yet: one run)
+    assert len(r.read_available()) == 4                  # two full runs, then the cap
+    assert len(runner.calls) == 3
+
+
 def test_start_end_learns_the_end_first():
     runner = FakeJournalctl([output(entry(7)), output(entry(8))])
     r = reader(runner, start="end")

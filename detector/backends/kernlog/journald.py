@@ -21,6 +21,7 @@ Start = Literal["end", "beginning"]
 Runner = Callable[..., "subprocess.CompletedProcess[bytes]"]
 
 DEFAULT_MAX_ENTRIES = 5_000    # per run, so a flood costs several runs, not one unbounded JSON dump
+MAX_ENTRIES_PER_READ = 50_000   # runs per read_available go on while each comes back full, up to this (memory stays flat)
 RESET_AFTER_FAILURES = 3       # a cursor journalctl keeps refusing is dropped (start again at the end)
 WAIT_MAX_S = 1.0               # the longest wait(): each look costs a journalctl run, so no faster than this
 
@@ -139,6 +140,8 @@ class JournaldReader:
         self._cursor_boot: str | None = None
         self._end_known = start == "beginning"   # "end": not yet learnt where the journal ends
         self._failures_in_a_row = 0
+        self._last_run_full = False
+        self._records_in_run = 0
         saved = cursor.load()
         if saved and isinstance(saved.get("cursor"), str):
             saved_boot = normalize_boot_id(saved.get("boot_id")) if isinstance(saved.get("boot_id"), str) else None
@@ -162,8 +165,17 @@ class JournaldReader:
         return argv                      # -k implies this boot only
 
     def read_available(self) -> list[LogLine]:
-        """Entries logged since the last call. Never raises: failures leave the cursor where it was."""
+        """Entries logged since the last call. Never raises: failures leave the cursor where it was.
+        A run that comes back full (max_entries) is followed by another at once, up to
+        MAX_ENTRIES_PER_READ in all, so a flood is read at journalctl's speed, not one run per interval."""
+        lines = self._read_once()
+        while self._last_run_full and len(lines) < MAX_ENTRIES_PER_READ:
+            lines += self._read_once()
+        return lines
+
+    def _read_once(self) -> list[LogLine]:
         used_cursor = self.cursor is not None
+        self._last_run_full = False
         learning_end = not used_cursor and not self._end_known
         stdout, status = self._run(self.command())
         lines = self._parse(stdout)
@@ -177,6 +189,7 @@ class JournaldReader:
                 self._reset_cursor()
         elif status == "ok":
             self._failures_in_a_row = 0
+            self._last_run_full = used_cursor and self._records_in_run >= self.max_entries
         self._save()
         self.stats.entries += len(lines)
         return lines
@@ -221,10 +234,12 @@ class JournaldReader:
 
     def _parse(self, stdout: bytes) -> list[LogLine]:
         out: list[LogLine] = []
+        self._records_in_run = 0
         for raw in stdout.split(b"\n"):
             raw = raw.strip()
             if not raw or raw.startswith(b"-- "):     # blank, or an informational line such as "-- No entries --"
                 continue
+            self._records_in_run += 1
             try:
                 entry = _loads(raw)
             except ValueError:

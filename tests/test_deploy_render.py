@@ -161,10 +161,11 @@ def copy_of_deploy(tmp_path: Path) -> Path:
 
 def test_every_variant_is_covered():
     """A new overlay is rendered and validated below without being named; naming the DaemonSet ones
-    here makes its Pod Security level and node selection a decision, not an accident."""
+    here makes its Pod Security level and node selection a decision, not an accident. deploy/monitoring
+    holds no pods (alerts and a dashboard: tests/test_monitoring.py)."""
     names = {name_of(v) for v in VARIANTS}
-    assert names == set(DAEMON_VARIANTS) | set(PREFLIGHTS) | {"kwok"}, \
-        f"new or missing kustomizations: {sorted(names ^ (set(DAEMON_VARIANTS) | set(PREFLIGHTS) | {'kwok'}))}"
+    expected = set(DAEMON_VARIANTS) | set(PREFLIGHTS) | {"kwok", "monitoring"}
+    assert names == expected, f"new or missing kustomizations: {sorted(names ^ expected)}"
 
 
 # --- Rendering and schemas
@@ -175,7 +176,7 @@ def test_rendered_objects_validate_against_the_kubernetes_schema(kubectl, direct
     failures = []
     for doc in render(kubectl, directory):
         if doc["kind"] in CUSTOM_RESOURCES:
-            continue                                  # no schema there: test_podmonitor_* checks it
+            continue                      # no schema there: test_podmonitor_* and test_monitoring.py check them
         where = f"{doc['kind']}/{doc['metadata']['name']}"
         try:
             kubernetes_validate.validate(doc, version, strict=True)
@@ -640,7 +641,7 @@ def test_preflight_container_exits_with_diagnose_s_code(kubectl, preflight):
 
 # --- PodMonitor (Prometheus Operator)
 
-CUSTOM_RESOURCES = {"PodMonitor": "monitoring.coreos.com/v1"}
+CUSTOM_RESOURCES = {"PodMonitor": "monitoring.coreos.com/v1", "PrometheusRule": "monitoring.coreos.com/v1"}
 # monitoring.coreos.com/v1 PodMonitor: the fields this project may use, so a misspelt one fails here
 # as it would against the CRD's schema.
 PODMONITOR_SPEC_FIELDS = {"selector", "namespaceSelector", "podMetricsEndpoints", "jobLabel", "podTargetLabels",

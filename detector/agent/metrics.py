@@ -1,11 +1,17 @@
 """Prometheus metrics of one node agent, in a registry of its own (no process-global collectors, so
-several agents can live in one process). Names follow node-problem-detector where it has one."""
+several agents can live in one process). Names follow node-problem-detector where it has one.
+
+A registry the agent makes itself also carries the process's own metrics (prometheus_client's
+ProcessCollector: `process_resident_memory_bytes`, `process_cpu_seconds_total`, open fds, start time),
+so the daemon's footprint can be watched where it runs, against the DaemonSet's requests and limits.
+They describe the whole process: where agents share one (the tests) or run beside the API emulator
+(`make demo`), those count too."""
 
 from __future__ import annotations
 
 from typing import Callable, Mapping
 
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry, Counter, Gauge, ProcessCollector
 
 from detector.agent.active import ConditionStatus
 from detector.agent.agent import AgentSink
@@ -18,8 +24,12 @@ from detector.core.types import Observation, Problem
 
 class AgentMetrics(AgentSink):
     def __init__(self, registry: CollectorRegistry | None = None):
+        """`registry`: where to register; without one, a new registry that also gets the process
+        collector (a registry passed in may have one already, and registering it twice fails)."""
         self.registry = registry or CollectorRegistry(auto_describe=True)
         r = self.registry
+        if registry is None:
+            ProcessCollector(registry=r)          # reads /proc/self at scrape time; nothing off Linux
         self.problem_counter = Counter("gpu_npd_problem_counter", "Problems found: events as they fire, "
                                        "conditions when they become true", ["type", "reason"], registry=r)
         self.problem_gauge = Gauge("gpu_npd_problem_gauge", "1 while a condition of this type is true with "

@@ -1,8 +1,9 @@
-"""Run the emulator as a process, for demos and for benchmarks that drive it from outside.
+"""Run the emulator as a process, for demos, for kubectl, and for benchmarks that drive it from outside.
 
 Prints the base URL on stdout (so a script can read it) and runs until SIGINT or SIGTERM. It enforces
 deploy/base's RBAC: the copy packaged with gpu-npd (so it runs from any directory, and installed),
-or a checkout's with --deploy-dir, or any RBAC files with --rbac.
+or a checkout's with --deploy-dir, or any RBAC files with --rbac. With --https it serves TLS from a
+CA made at start, and the kubeconfigs it writes carry that CA, so kubectl verifies it as a cluster.
 """
 
 from __future__ import annotations
@@ -15,22 +16,54 @@ import threading
 from pathlib import Path
 from typing import Sequence
 
+from kube_emulator.changes import DEFAULT_CAPACITY
 from kube_emulator.rbac import ADMIN, deploy_rbac, packaged_deploy_dir
-from kube_emulator.server import DEFAULT_USER, Emulator
+from kube_emulator.server import (
+    BOOKMARK_INTERVAL_S,
+    DEFAULT_USER,
+    KUBECONFIG_IDENTITIES,
+    Emulator,
+)
 
 EXIT_OK, EXIT_USAGE = 0, 2
 
 
 def build_parser(prog: str = "python -m kube_emulator") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog=prog,
-        description="An in-process Kubernetes API server (core/v1 nodes and events) with the project's RBAC.")
+        prog=prog, formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="A small Kubernetes API server (core/v1 nodes, events and pods, coordination.k8s.io/v1 "
+                    "leases; get, list, watch, create, update, patch, delete, server-side dry run) that enforces "
+                    "the project's RBAC.",
+        epilog=f"""Point kubectl at it:
+
+  {prog} --https --kubeconfig-out kc.yaml --node gpu-17 &
+  export KUBECONFIG=$PWD/kc.yaml
+  kubectl get node gpu-17                     # as {DEFAULT_USER} (the current context)
+  kubectl --context admin get nodes -w        # as admin (system:masters): the gpu-npd account may not list
+  kubectl --context admin describe node gpu-17
+  kubectl auth can-i patch nodes --subresource=status   # yes: deploy/base grants the daemon that
+
+The kubeconfig has one context per identity ({", ".join(KUBECONFIG_IDENTITIES)}), each with its own
+bearer token; with --https it carries the CA (certificate-authority-data), so no --insecure-skip-tls-verify.
+Tokens and the CA live as long as the process: write the kubeconfig again after a restart.""")
     parser.add_argument("--listen", default="127.0.0.1:0", metavar="HOST:PORT",
                         help="address to listen on; port 0 picks a free one (default %(default)s)")
+    parser.add_argument("--https", action="store_true",
+                        help="serve HTTPS with a certificate from a CA made at start (needs the trustme package); "
+                             "the URL printed starts with https:// and kubeconfigs carry the CA")
     parser.add_argument("--kubeconfig-out", type=Path, metavar="FILE",
-                        help=f"write a kubeconfig for {DEFAULT_USER} here")
+                        help=f"write a kubeconfig here with a context per identity: {DEFAULT_USER} (current; "
+                             "context gpu-npd:gpu-npd) and admin (system:masters; context admin)")
     parser.add_argument("--admin-kubeconfig-out", type=Path, metavar="FILE",
-                        help="write a kubeconfig for the admin user (system:masters) here")
+                        help="write a kubeconfig for the admin user (system:masters) alone here")
+    parser.add_argument("--ca-out", type=Path, metavar="FILE",
+                        help="with --https, also write the CA certificate (PEM) here, e.g. for curl --cacert")
+    parser.add_argument("--watch-history", type=int, default=DEFAULT_CAPACITY, metavar="N",
+                        help="changes kept for watches that resume from a resourceVersion; older resourceVersions "
+                             "answer 410 Gone (Expired) and the client lists again (default %(default)s)")
+    parser.add_argument("--bookmark-interval", type=float, default=BOOKMARK_INTERVAL_S, metavar="SECONDS",
+                        help="how often a watch with allowWatchBookmarks=true gets a BOOKMARK event "
+                             "(default %(default)s)")
     where = parser.add_mutually_exclusive_group()
     where.add_argument("--deploy-dir", type=Path, metavar="DIR",
                        help="enforce the RBAC in DIR/base, DIR being a gpu-npd checkout's deploy/ directory "
@@ -72,7 +105,12 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m kube_emulator
     try:
         host, port = parse_listen(args.listen)
         rbac = rbac_paths(args.rbac, args.deploy_dir)
-        emulator = Emulator(rbac_paths=rbac)
+        if args.ca_out and not args.https:
+            raise ValueError("--ca-out needs --https (over plain HTTP there is no CA)")
+        if args.watch_history < 1 or args.bookmark_interval <= 0:
+            raise ValueError("--watch-history must be at least 1 and --bookmark-interval above 0")
+        emulator = Emulator(rbac_paths=rbac, https=args.https, watch_history=args.watch_history,
+                            bookmark_interval_s=args.bookmark_interval)
         if not emulator.authorizer.policy.bindings:
             raise ValueError(f"no RBAC role bindings in {', '.join(map(str, rbac))}: every request but the "
                              "admin's would be forbidden")
@@ -89,7 +127,9 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m kube_emulator
             for name in args.node:
                 emulator.create_node(name)
             if args.kubeconfig_out:
-                emulator.write_kubeconfig(args.kubeconfig_out)
+                emulator.write_kubeconfig(args.kubeconfig_out, identities=KUBECONFIG_IDENTITIES)
+            if args.ca_out:
+                emulator.write_ca(args.ca_out)
             if args.admin_kubeconfig_out:
                 emulator.write_kubeconfig(args.admin_kubeconfig_out, user=ADMIN)
         except Exception as e:  # noqa: BLE001 - bad port, bad node name, unwritable file: one line, exit 2

@@ -3,6 +3,8 @@ HTTPS), and one user and one context per identity, each user holding its bearer 
 
 Context names are the identities without the service-account prefix: `admin`, `gpu-npd:gpu-npd`
 (for system:serviceaccount:gpu-npd:gpu-npd), so `kubectl --context admin ...` switches identity.
+Contexts name no namespace: every resource the daemon touches is cluster-scoped or names its own,
+and kubectl warns about a context namespace on cluster-scoped resources (`auth can-i patch nodes`).
 """
 
 from __future__ import annotations
@@ -29,11 +31,6 @@ class Identity:
     def context(self) -> str:
         return self.user[len(SA_PREFIX):] if self.user.startswith(SA_PREFIX) else self.user
 
-    @property
-    def namespace(self) -> str:
-        """A service account's own namespace is its context's default namespace."""
-        return self.user[len(SA_PREFIX):].split(":", 1)[0] if self.user.startswith(SA_PREFIX) else ""
-
 
 def build_kubeconfig(server: str, identities: Sequence[Identity], ca_pem: bytes | None = None) -> dict[str, Any]:
     """The kubeconfig document; the first identity's context is the current one."""
@@ -44,10 +41,7 @@ def build_kubeconfig(server: str, identities: Sequence[Identity], ca_pem: bytes 
         cluster["certificate-authority-data"] = base64.b64encode(ca_pem).decode()
     contexts = []
     for identity in identities:
-        context = {"cluster": CLUSTER, "user": identity.user}
-        if identity.namespace:
-            context["namespace"] = identity.namespace
-        contexts.append({"name": identity.context, "context": context})
+        contexts.append({"name": identity.context, "context": {"cluster": CLUSTER, "user": identity.user}})
     return {
         "apiVersion": "v1", "kind": "Config", "preferences": {},
         "clusters": [{"name": CLUSTER, "cluster": cluster}],

@@ -28,6 +28,7 @@ from kube_emulator.patch import (
     UnsupportedPatchType,
     apply_patch,
 )
+from kube_emulator.protobuf import PROTOBUF, ProtobufError, decode_access_review
 from kube_emulator.rbac import (
     ADMIN,
     MASTERS,
@@ -62,6 +63,7 @@ DEFAULT_USER = "system:serviceaccount:gpu-npd:gpu-npd"
 KUBECONFIG_IDENTITIES = (DEFAULT_USER, ADMIN)   # what `--kubeconfig-out` writes: the daemon's, then the admin's
 BOOKMARK_INTERVAL_S = 10.0
 NODE_LEASE_NAMESPACE = "kube-node-lease"
+_BINARY_MEDIA_TYPES = ("application/vnd.kubernetes.protobuf", "application/cbor")
 VERSION = discovery.VERSION
 
 _FAIL_TEXT = {
@@ -84,6 +86,10 @@ class Request:
     body: bytes = b""
 
     def json(self) -> Any:
+        media = (self.headers.get("Content-Type") or "").split(";", 1)[0].strip().lower()
+        if media in _BINARY_MEDIA_TYPES:   # client-go then sends the request again as JSON
+            raise ApiError(415, "UnsupportedMediaType", f"the body of the request was in an unknown format - "
+                                                         f"accepted media types include: application/json (not {media})")
         try:
             return json.loads(self.body)
         except ValueError as e:
@@ -620,7 +626,7 @@ class Emulator:
         if route.review:
             if verb != "create":
                 raise _method_not_allowed()
-            return Response.of(201, review(route.review, request.json(), user, self.authorizer))
+            return Response.of(201, review(route.review, _review_body(request), user, self.authorizer))
         if route.kind is None:
             attrs = Attributes(user, verb, path=request.path)
         else:
@@ -754,6 +760,16 @@ class Emulator:
         except (TypeError, ValueError) as e:
             raise bad_request(f"emulator {action}: {e}") from None
         return ok
+
+
+def _review_body(request: Request) -> Any:
+    """An access review's body: JSON, or the protobuf kubectl sends."""
+    if (request.headers.get("Content-Type") or "").split(";", 1)[0].strip().lower() != PROTOBUF:
+        return request.json()
+    try:
+        return decode_access_review(request.body)
+    except ProtobufError as e:
+        raise bad_request(f"the request body is not a valid protobuf access review: {e}") from None
 
 
 def _method_not_allowed() -> ApiError:

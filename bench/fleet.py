@@ -1,15 +1,21 @@
-"""7,500 simulated 8-GPU nodes against the API emulator running in another process.
+"""A simulated fleet of 8-GPU nodes against the API emulator, broken and healed by node annotation.
 
-Phases: register the nodes; a rolling start of every agent over --start-spread seconds; a steady
-period (--steady seconds, heartbeats only); then a fault hitting --fault-fraction of the nodes at once
-(XID 79 on one GPU each: GpuXidError and GpuMissing). Prints what it measures as it goes; the last line
-is a JSON object:
+The emulator runs in its own process; `gpu-npd simulate` runs as --shards processes, each playing its
+block of the fleet (`--shard K/N`), exactly as the KWOK StatefulSet does. Phases: register the nodes; a
+rolling start of every agent over --start-spread seconds; a steady period (--steady seconds, heartbeats
+only); then XID 79 on one GPU of --fault-fraction of the nodes at once, injected the KWOK way (the
+bench, as an admin, annotates each node with gpu-npd.io/inject-fault); then every annotation removed
+again (the simulator reboots those nodes). Prints what it measures as it goes; the last line is a JSON
+object:
 
-  nodes, rss_per_node_kib, cpu_ms_per_node_per_hour, requests_per_node_per_hour (steady state),
-  peak_rps / p99_rps (during the start and during the fault), fault_visible_s (until every injected
-  fault shows on the API server), lost_conditions, duplicate_conditions, unexpected_conditions.
+  nodes, shards, rss_per_node_kib (the simulators' whole RSS over the nodes they play),
+  cpu_ms_per_node_per_hour and requests_per_node_per_hour (steady state), peak_rps / p99_rps (during
+  the start and during the fault), fault_visible_s (from the first annotation until every fault shows
+  on the API server), heal_visible_s (from the first removal until every node is clear again),
+  lost_conditions, duplicate_conditions, unexpected_conditions, uncleared_conditions.
 
-    .venv/bin/python bench/fleet.py                       # 7,500 nodes (about 12 minutes)
+    .venv/bin/python bench/fleet.py                                  # 7,500 nodes (about 12 minutes)
+    .venv/bin/python bench/fleet.py --nodes 30000 --shards 4         # 4 simulators of 7,500
     .venv/bin/python bench/fleet.py --nodes 500 --start-spread 20 --steady 60    # a quick look
 """
 
@@ -18,49 +24,52 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import resource
+import random
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from pathlib import Path
 
 import psutil
+import yaml
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from detector.cli.main import builtin_rules_dir  # noqa: E402
-from detector.core.check import CheckRegistry  # noqa: E402
 from detector.kube.api import KubeApi  # noqa: E402
-from detector.rules.loader import load_rules  # noqa: E402
-from detector.sim.fleet import Fleet, FleetSettings  # noqa: E402
-from detector.sim.fleetfile import fleet_from_dict  # noqa: E402
-from detector.sim.timeline import plan_faults  # noqa: E402
+from detector.sim.annotations import INJECT_ANNOTATION, STATUS_ANNOTATION  # noqa: E402
 
 FAULT_TYPES = ("GpuXidError", "GpuMissing")
+STARTED = "nodes starting over"          # what `gpu-npd simulate` prints once its nodes are registered
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--nodes", type=int, default=7500)
+    p.add_argument("--nodes", type=int, default=7500, help="nodes in the whole fleet (default 7500)")
+    p.add_argument("--shards", type=int, default=1, help="simulator processes sharing the fleet (default 1)")
     p.add_argument("--start-spread", type=float, default=120.0, help="rolling start over S seconds")
     p.add_argument("--settle", type=float, default=30.0, help="seconds after the start before steady state")
     p.add_argument("--steady", type=float, default=330.0, help="steady-state window, seconds (>= one heartbeat)")
     p.add_argument("--fault-fraction", type=float, default=0.10)
-    p.add_argument("--qps", type=float, default=100.0, help="the fleet's API rate limit (the simulator's default)")
+    p.add_argument("--qps", type=float, default=100.0, help="each simulator's API rate limit (its default)")
     p.add_argument("--burst", type=int, default=200)
-    p.add_argument("--workers", type=int, default=8)
+    p.add_argument("--workers", type=int, default=8, help="scheduler threads per simulator")
     p.add_argument("--fault-timeout", type=float, default=300.0)
     args = p.parse_args()
+    if args.shards < 1 or args.nodes < args.shards:
+        p.error("--shards must be at least 1 and at most --nodes")
 
     work = Path(tempfile.mkdtemp(prefix="gpu-npd-fleet-bench-"))
     emulator, url, admin = start_emulator(work)
+    simulators: list[Simulator] = []
     try:
-        return run(args, url, admin, work)
+        return run(args, url, admin, work, simulators)
     finally:
+        for sim in simulators:
+            sim.stop()
         emulator.terminate()
         emulator.wait(10)
 
@@ -78,18 +87,56 @@ def start_emulator(work: Path) -> tuple[subprocess.Popen, str, Path]:
     return proc, url, admin
 
 
+class Simulator:
+    """One `gpu-npd simulate --shard K/N` process; its progress lines are kept to see when it started."""
+
+    def __init__(self, args: argparse.Namespace, fleet: Path, kubeconfig: Path, shard: int):
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "detector.cli.main", "simulate", "--fleet", str(fleet), "--kubeconfig",
+             str(kubeconfig), "--shard", f"{shard}/{args.shards}", "--listen", "127.0.0.1:0",
+             "--start-spread", str(args.start_spread), "--qps", str(args.qps), "--burst", str(args.burst),
+             "--workers", str(args.workers), "--log-level", "warning"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=REPO)
+        self.process = psutil.Process(self.proc.pid)
+        self.started = threading.Event()
+        self.lines: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self.lines.append(line.rstrip())
+            if STARTED in line:
+                self.started.set()
+
+    def cpu_s(self) -> float:
+        times = self.process.cpu_times()
+        return times.user + times.system
+
+    def rss(self) -> int:
+        return self.process.memory_info().rss
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
 class EmulatorAdmin:
-    """Reads the emulator's request counts and nodes from outside, as an admin."""
+    """Reads the emulator's request counts and nodes, and annotates nodes, as an admin."""
 
     def __init__(self, url: str, kubeconfig: Path):
-        self.api = KubeApi.from_kubeconfig(str(kubeconfig), qps=1000, burst=1000)
+        self.api = KubeApi.from_kubeconfig(str(kubeconfig), qps=1000, burst=1000, pool_size=8)
         self.url = url
-        self.own_requests: list[float] = []       # this bench's own reads, taken out of the load figures
+        self.own_requests: list[float] = []       # this bench's own requests, taken out of the load figures
 
     def _get(self, path: str) -> dict:
         self.own_requests.append(time.time())
         request = urllib.request.Request(self.url + path, headers={"Authorization": f"Bearer {self.api.connection.bearer()}"})
-        with urllib.request.urlopen(request, timeout=120) as response:
+        with urllib.request.urlopen(request, timeout=300) as response:
             return json.loads(response.read())
 
     def per_second(self) -> dict[int, int]:
@@ -101,6 +148,10 @@ class EmulatorAdmin:
 
     def nodes(self) -> list[dict]:
         return self._get("/api/v1/nodes")["items"]
+
+    def annotate(self, name: str, value: str | None) -> None:
+        self.own_requests.append(time.time())
+        self.api.patch_node_annotations(name, {INJECT_ANNOTATION: value})
 
 
 def window(per_second: dict[int, int], start: float, end: float) -> list[int]:
@@ -114,105 +165,112 @@ def p99(values: list[int]) -> float:
     return float(ordered[min(len(ordered) - 1, math.ceil(0.99 * len(ordered)) - 1)])
 
 
-def cpu_s() -> float:
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
-
-
-def gpu_npd_conditions(node: dict) -> list[dict]:
-    return [c for c in node.get("status", {}).get("conditions", []) if c.get("type", "").startswith("Gpu")]
+def true_types(node: dict) -> set[str]:
+    return {c["type"] for c in node.get("status", {}).get("conditions", [])
+            if c.get("type", "").startswith("Gpu") and c.get("status") == "True"}
 
 
 def say(message: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
 
 
-def run(args: argparse.Namespace, url: str, admin_kubeconfig: Path, work: Path) -> int:
-    admin = EmulatorAdmin(url, admin_kubeconfig)
-    fault_at = args.start_spread + args.settle + args.steady
-    spec = fleet_from_dict({
-        "version": 1, "seed": 1,
-        "nodes": [{"scenario": "h100-sxm-8", "count": args.nodes, "name": "sim-gpu-{index:05d}",
-                   "racks": max(1, args.nodes // 32)}],
-        "faults": [{"at": fault_at, "fraction": args.fault_fraction, "kind": "xid", "gpu": "random", "code": 79}],
-    }, file="<bench>")
-    registry = CheckRegistry.from_entry_points()
-    ruleset = load_rules([builtin_rules_dir()], registry.fields_by_check())
-    api = KubeApi.from_kubeconfig(str(admin_kubeconfig), qps=args.qps, burst=args.burst, pool_size=args.workers)
-    process = psutil.Process(os.getpid())
-    rss_before = process.memory_info().rss
-    fleet = Fleet(spec, api, ruleset, registry, FleetSettings(workers=args.workers, start_spread_s=args.start_spread))
-    t0 = time.time()
-    fleet.start(progress=say)
-    rss_after = process.memory_info().rss
-    say(f"registered and built {args.nodes} nodes in {fleet.started_at - t0:.0f}s; "
-        f"RSS +{(rss_after - rss_before) / 2**20:.0f} MiB")
-
-    start_end = fleet.started_at + args.start_spread + args.settle
-    time.sleep(max(0.0, start_end - time.time()))
-    reported = sum(1 for n in admin.nodes() if gpu_npd_conditions(n))
-    say(f"rolling start done: {reported} of {args.nodes} nodes report conditions")
-
-    steady_begin, cpu_begin = time.time(), cpu_s()
-    time.sleep(max(0.0, fleet.started_at + fault_at - 1 - time.time()))
-    steady_end, cpu_end = time.time(), cpu_s()
-    rss_steady = process.memory_info().rss
-    say(f"steady state: {steady_end - steady_begin:.0f}s measured")
-
-    planned = len([p for p in plan_faults(spec, fault_at + 1) if p.at_s == fault_at])
-    while len(fleet.fault_log.records()) < planned:          # injecting 750 faults takes a moment
-        time.sleep(0.1)
-    injected = {r["node"] for r in fleet.fault_log.records()}
-    fault_time = min((r["time"] for r in fleet.fault_log.records()), default=time.time())
-    injecting_s = max(r["time"] for r in fleet.fault_log.records()) - fault_time
-    say(f"fault: XID 79 on {len(injected)} nodes, injected over {injecting_s:.1f}s")
-    visible_at = None
-    deadline = fault_time + args.fault_timeout
+def wait_until(admin: EmulatorAdmin, done, timeout_s: float, poll_s: float) -> tuple[float | None, list[dict]]:
+    """Poll the nodes until done(nodes); (when, the nodes last seen)."""
+    deadline = time.time() + timeout_s
+    nodes: list[dict] = []
     while time.time() < deadline:
         nodes = admin.nodes()
-        showing = {n["metadata"]["name"] for n in nodes
-                   if all(any(c["type"] == t and c["status"] == "True" for c in gpu_npd_conditions(n))
-                          for t in FAULT_TYPES)}
-        if injected <= showing:
-            visible_at = time.time()
-            break
-        time.sleep(1.0)
+        if done(nodes):
+            return time.time(), nodes
+        time.sleep(poll_s)
+    return None, nodes
+
+
+def run(args: argparse.Namespace, url: str, admin_kubeconfig: Path, work: Path, simulators: list[Simulator]) -> int:
+    admin = EmulatorAdmin(url, admin_kubeconfig)
+    fleet = work / "fleet.yaml"
+    fleet.write_text(yaml.safe_dump({"version": 1, "seed": 1, "nodes": [
+        {"scenario": "h100-sxm-8", "count": args.nodes, "name": "sim-gpu-{index:05d}", "racks": max(1, args.nodes // 32)}]}))
+    poll_s = max(1.0, args.nodes / 7500)          # listing 30,000 nodes is itself a load
+    t0 = time.time()
+    simulators.extend(Simulator(args, fleet, admin_kubeconfig, k) for k in range(args.shards))
+    for sim in simulators:
+        while not sim.started.wait(1.0):
+            if sim.proc.poll() is not None:
+                raise SystemExit("a simulator exited:\n" + "\n".join(sim.lines[-20:]))
+    started_at = time.time()
+    say(f"{args.shards} simulator(s) registered {args.nodes} nodes in {started_at - t0:.0f}s; rolling start")
+
+    start_end = started_at + args.start_spread + args.settle
+    time.sleep(max(0.0, start_end - time.time()))
+    reported = sum(1 for n in admin.nodes() if any(c["type"].startswith("Gpu") for c in n["status"].get("conditions", [])))
+    say(f"rolling start done: {reported} of {args.nodes} nodes report conditions")
+
+    steady_begin, cpu_begin = time.time(), sum(s.cpu_s() for s in simulators)
+    time.sleep(args.steady)
+    steady_end, cpu_end = time.time(), sum(s.cpu_s() for s in simulators)
+    rss = [s.rss() for s in simulators]
+    say(f"steady state: {steady_end - steady_begin:.0f}s measured; simulators' RSS "
+        + ", ".join(f"{r / 2**20:.0f} MiB" for r in rss))
+
+    rng = random.Random(7)
+    names = [f"sim-gpu-{i:05d}" for i in range(args.nodes)]
+    broken = {name: rng.randrange(8) for name in rng.sample(names, max(1, round(args.fault_fraction * args.nodes)))}
+    fault_time = time.time()
+    for name, gpu in broken.items():
+        admin.annotate(name, json.dumps({"kind": "xid", "gpu": gpu, "params": {"code": 79}}))
+    say(f"fault: XID 79 annotated on {len(broken)} nodes in {time.time() - fault_time:.1f}s")
+
+    def all_showing(nodes: list[dict]) -> bool:
+        return all(set(FAULT_TYPES) <= true_types(n) for n in nodes if n["metadata"]["name"] in broken)
+    visible_at, at_fault = wait_until(admin, all_showing, args.fault_timeout, poll_s)
     say(f"every fault visible after {visible_at - fault_time:.1f}s" if visible_at else "faults NOT all visible")
     time.sleep(5)
-    per_second = admin.per_second()
-    final = admin.nodes()
-    fleet.stop()
+    at_fault = admin.nodes()
+    fault_end = time.time()
 
-    lost = duplicate = unexpected = 0
-    for node in final:
+    heal_time = time.time()
+    for name in broken:
+        admin.annotate(name, None)
+    healed_at, after = wait_until(admin, lambda nodes: not any(true_types(n) for n in nodes), args.fault_timeout, poll_s)
+    say(f"every node clear after {healed_at - heal_time:.1f}s" if healed_at else "nodes NOT all clear")
+    time.sleep(2)
+    per_second = admin.per_second()
+
+    lost = duplicate = unexpected = unrecorded = 0
+    for node in at_fault:
         name = node["metadata"]["name"]
-        types = [c["type"] for c in gpu_npd_conditions(node)]
+        types = [c["type"] for c in node["status"].get("conditions", [])]
         duplicate += len(types) - len(set(types))
-        true = {c["type"] for c in gpu_npd_conditions(node) if c["status"] == "True"}
-        expected = set(FAULT_TYPES) if name in injected else set()
-        lost += len(expected - true)
-        unexpected += len(true - expected)
+        expected = set(FAULT_TYPES) if name in broken else set()
+        lost += len(expected - true_types(node))
+        unexpected += len(true_types(node) - expected)
+        if name in broken and STATUS_ANNOTATION not in (node["metadata"].get("annotations") or {}):
+            unrecorded += 1
+    uncleared = sum(len(true_types(n)) for n in after)
     steady_s = steady_end - steady_begin
     steady_requests = sum(window(per_second, steady_begin + 1, steady_end - 1))
-    start_rps = window(per_second, fleet.started_at, start_end)
-    fault_rps = window(per_second, fault_time, (visible_at or deadline) + 5)
+    start_rps = window(per_second, started_at, start_end)
+    fault_rps = window(per_second, fault_time, fault_end)
     figures = {
-        "nodes": args.nodes,
-        "rss_per_node_kib": round((rss_steady - rss_before) / 1024 / args.nodes, 1),
+        "nodes": args.nodes, "shards": args.shards,
+        "rss_per_node_kib": round(sum(rss) / 1024 / args.nodes, 1),
+        "rss_per_shard_mib": [round(r / 2**20, 1) for r in rss],
         "cpu_ms_per_node_per_hour": round((cpu_end - cpu_begin) * 1000 / args.nodes * 3600 / steady_s, 1),
         "requests_per_node_per_hour": round(steady_requests / args.nodes * 3600 / max(steady_s - 2, 1), 2),
-        "peak_rps": max(start_rps + fault_rps, default=0),
-        "p99_rps": p99(start_rps + fault_rps),
+        "peak_rps": max(start_rps + fault_rps, default=0), "p99_rps": p99(start_rps + fault_rps),
         "start_peak_rps": max(start_rps, default=0), "start_p99_rps": p99(start_rps),
         "fault_peak_rps": max(fault_rps, default=0), "fault_p99_rps": p99(fault_rps),
-        "fault_nodes": len(injected), "fault_injection_s": round(injecting_s, 2),
+        "fault_nodes": len(broken),
         "fault_visible_s": round(visible_at - fault_time, 2) if visible_at else None,
+        "heal_visible_s": round(healed_at - heal_time, 2) if healed_at else None,
         "lost_conditions": lost, "duplicate_conditions": duplicate, "unexpected_conditions": unexpected,
-        "steady_window_s": round(steady_s, 1), "qps_limit": args.qps,
-        "rss_total_mib": round(rss_steady / 2**20, 1),
+        "uncleared_conditions": uncleared, "fault_status_missing": unrecorded,
+        "steady_window_s": round(steady_s, 1), "qps_limit_per_shard": args.qps,
     }
     print(json.dumps(figures))
-    return 0 if visible_at and not lost and not duplicate and not unexpected else 1
+    ok = visible_at and healed_at and not (lost or duplicate or unexpected or uncleared or unrecorded)
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -162,7 +162,11 @@ RUN: dict[str, Spec] = {
     ".venv/bin/python bench/latency.py": Spec(append="-n 3", why=SCALED),
     ".venv/bin/python bench/footprint.py": Spec(append="--duration 1 --settle 1", why=SCALED),
     ".venv/bin/python bench/fleet.py": Spec(
-        append="--nodes 10 --start-spread 1 --settle 1 --steady 1 --fault-timeout 30", why=SCALED),
+        append="--nodes 10 --start-spread 1 --settle 1 --steady 1 --fault-timeout 60", why=SCALED, timeout=120),
+    ".venv/bin/python bench/fleet.py --nodes 30000 --shards 4": Spec(
+        subst=(("--nodes 30000", "--nodes 12"),), append="--start-spread 1 --settle 1 --steady 1 --fault-timeout 60",
+        why=SCALED, timeout=120),
+    ".venv/bin/python bench/flood.py": Spec(append="--lines 3000 --xid-every 500", why=SCALED, timeout=120),
 }
 
 # Redirected for every command: fixed ports and root-owned paths the README's commands default to.

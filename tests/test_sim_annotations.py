@@ -233,3 +233,30 @@ def test_scenarios_faults_lists_every_kind_an_annotation_may_name(capsys):
     kinds = [line.split()[0] for line in out.splitlines() if line and not line.startswith(" ")]
     assert kinds == sorted(FAULT_KINDS)
     assert any(line.startswith("xid ") and "gpu, code: int" in line for line in out.splitlines())
+
+
+def test_the_fleets_own_watch_delivers_the_annotation_and_its_removal(tmp_path):
+    """No hand-off here: the fleet's list-and-watch sees an admin annotate a node, and the removal."""
+    data = {"version": 1, "seed": 5, "nodes": [{"scenario": "h100-sxm-8", "count": 2, "name": "w-{index}"}]}
+    with Emulator(rbac_paths=(REPO_DEPLOY, REPO_DEPLOY.parent / "kwok")) as emulator:
+        kubeconfig = emulator.write_kubeconfig(tmp_path / "sim.kubeconfig", user=SIMULATOR_USER)
+        admin = KubeApi.from_kubeconfig(str(emulator.write_kubeconfig(tmp_path / "admin.kubeconfig", user="admin")))
+        registry = CheckRegistry.from_entry_points()
+        fleet = Fleet(fleet_from_dict(data), KubeApi.from_kubeconfig(str(kubeconfig), qps=500.0, burst=500),
+                      load_rules([builtin_rules_dir()], registry.fields_by_check()), registry,
+                      FleetSettings(workers=2, start_spread_s=0.0, watch_timeout_s=5), FaultLog(None))
+        fleet.start()
+        try:
+            assert wait_for(lambda: fleet.watch is not None and fleet.watch.watches >= 1)
+            admin.patch_node_annotations("w-1", {INJECT_ANNOTATION: XID79})
+            assert wait_for(lambda: condition(emulator, "w-1", "GpuXidError") == "True")
+            status = json.loads(emulator.node("w-1")["metadata"]["annotations"][STATUS_ANNOTATION])
+            assert status["applied"] == ["xid on GPU 3 (code=79)"]
+            admin.patch_node_annotations("w-1", {INJECT_ANNOTATION: None})
+            assert wait_for(lambda: condition(emulator, "w-1", "GpuXidError") == "False")
+            assert [(r["node"], r["kind"], r["source"]) for r in fleet.fault_log.records()] == [
+                ("w-1", "xid", "annotation"), ("w-1", "reboot", "annotation")]
+            assert fleet.watch.lists == 1, "one list, then the watch: no polling"
+        finally:
+            fleet.stop()
+        assert not fleet.watch._thread.is_alive(), "stopping ends a watch blocked on a quiet stream"

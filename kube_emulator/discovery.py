@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from kube_emulator import openapi
 from kube_emulator.kinds import GROUP_VERSIONS
 from kube_emulator.routes import HEALTH_PATHS, REVIEWS, group_versions
 from kube_emulator.store import Kind
@@ -65,6 +66,8 @@ def document(key: str, server_address: str) -> dict[str, Any] | None:
                 "serverAddressByClientCIDRs": [{"clientCIDR": "0.0.0.0/0", "serverAddress": server_address}]}
     if key == "apis":
         return {"kind": "APIGroupList", "apiVersion": "v1", "groups": [_group(g) for g in groups]}
+    if key.startswith("openapi/"):
+        return openapi.document(key)
     parts = key.split("/")
     if parts[0] == "api" and len(parts) == 2:
         return resource_list("", parts[1])

@@ -35,7 +35,8 @@ class Route:
     namespace: str = ""
     name: str = ""
     subresource: str = ""
-    document: str = ""      # "root", a TOP_DOCUMENTS name, or the path: "api/v1", "apis/{group}[/{version}]"
+    document: str = ""      # "root", a TOP_DOCUMENTS name, or the path: "api/v1", "apis/{group}[/{version}]",
+                            # "openapi/v3[/...]"
     review: str = ""        # a REVIEWS resource
     group: str = ""
 
@@ -51,6 +52,8 @@ def route_for(path: str) -> Route | None:
         return Route("/", document="root")
     if len(parts) == 1 and parts[0] in TOP_DOCUMENTS:
         return Route("/" + parts[0], document=parts[0])
+    if parts[0] == "openapi" and len(parts) >= 2 and parts[1] == "v3":
+        return Route("/openapi/v3", document="/".join(parts))
     if parts[0] == "api" and len(parts) >= 2:
         group, version, rest = "", parts[1], parts[2:]
     elif parts[0] == "apis" and len(parts) >= 2:

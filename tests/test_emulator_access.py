@@ -320,3 +320,16 @@ def test_kubeconfig_file_is_private(emulator, tmp_path: Path):
     path.chmod(0o644)
     emulator.write_kubeconfig(path, identities=[ADMIN])
     assert path.stat().st_mode & 0o777 == 0o600
+
+
+def test_openapi_v3_says_the_server_validates_fields(emulator):
+    index = call(emulator, "GET", "/openapi/v3")[1]["paths"]
+    assert set(index) == {"api/v1", "apis/coordination.k8s.io/v1"}
+    code, doc = call(emulator, "GET", index["api/v1"]["serverRelativeURL"])
+    assert code == 200
+    patch = doc["paths"]["/api/v1/nodes/{name}"]["patch"]
+    assert patch["x-kubernetes-group-version-kind"] == {"group": "", "version": "v1", "kind": "Node"}
+    assert {"dryRun", "fieldValidation"} <= {p["name"] for p in patch["parameters"]}
+    assert "/apis/coordination.k8s.io/v1/namespaces/{namespace}/leases/{name}" in call(
+        emulator, "GET", "/openapi/v3/apis/coordination.k8s.io/v1")[1]["paths"]
+    assert call(emulator, "GET", "/openapi/v3/apis/example.com/v1")[0] == 404

@@ -245,3 +245,18 @@ def test_python_client_sees_410_for_a_compacted_resource_version(tmp_path):
         with pytest.raises(client.ApiException) as err:
             api.list_node(watch=True, resource_version=old, _preload_content=False)
         assert err.value.status == 410 and '"reason":"Expired"' in str(err.value.body).replace(" ", "")
+
+
+def test_kubectl_create_apply_and_delete_a_lease(kubectl, tmp_path):
+    """kubectl validates through the server (it finds fieldValidation in /openapi/v3), so -f works as is."""
+    manifest = tmp_path / "lease.yaml"
+    manifest.write_text(yaml.safe_dump({"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+                                        "metadata": {"name": "leader", "namespace": "gpu-npd"},
+                                        "spec": {"holderIdentity": "pod-a", "leaseDurationSeconds": 15}}))
+    assert kubectl("create", "--save-config", "-f", str(manifest)).stdout.strip() == (
+        "lease.coordination.k8s.io/leader created")
+    manifest.write_text(manifest.read_text().replace("pod-a", "pod-b"))
+    assert kubectl("apply", "-f", str(manifest)).stdout.strip() == "lease.coordination.k8s.io/leader configured"
+    holder = kubectl("get", "lease", "leader", "-n", "gpu-npd", "-o", "jsonpath={.spec.holderIdentity}").stdout
+    assert holder == "pod-b"
+    assert "deleted" in kubectl("delete", "-f", str(manifest)).stdout

@@ -35,7 +35,8 @@ from test_deploy_render import (  # noqa: F401  (kubectl and no_network are fixt
     CHECK_HOST_PATHS, CUSTOM_RESOURCES, DEPLOY, ENDPOINT_FIELDS, GFD_ONLY_NODE, GPU_OPERATOR_NODE, K8S_VERSIONS,
     KWOK_EXCLUSION, KWOK_GPU_NODE, CPU_NODE, NFD_DEFAULT_NODE, NFD_ONLY_NODE, PODMONITOR_SPEC_FIELDS, POD_KINDS,
     RELABEL_FIELDS, STATE_DIR, baseline_violations, host_mounts, kubectl, kwok_nodes_asking_for, no_network, node,
-    objects, offline_env, one, only_container, pod_may_run_on, pod_spec, selector_matches, simulator_kwok_node,
+    objects, offline_env, one, only_container, pod_may_run_on, pod_spec, schema_failures, selector_matches,
+    simulator_kwok_node,
     variant,
 )
 
@@ -229,17 +230,8 @@ def test_helm_lint_passes_strict(helm, name):
 @pytest.mark.parametrize("name", sorted(VARIANTS))
 @pytest.mark.parametrize("version", K8S_VERSIONS)
 def test_rendered_objects_validate_against_the_kubernetes_schema(helm, name, version):
-    failures = []
-    for doc in helm.render(name):
-        if doc["kind"] in MONITOR_KINDS:
-            continue                      # no schema there: test_podmonitor_* and test_servicemonitor_* check them
-        where = f"{doc['kind']}/{doc['metadata']['name']}"
-        try:
-            kubernetes_validate.validate(doc, version, strict=True)
-        except kubernetes_validate.ValidationError as e:
-            failures.append(f"{where}: {'.'.join(str(p) for p in e.path)}: {e.message}")
-        except kubernetes_validate.SchemaNotFoundError as e:
-            failures.append(f"{where}: {e.message}")
+    # monitors have no schema here: test_podmonitor_* and test_servicemonitor_* check them
+    failures = schema_failures(helm.render(name), version, MONITOR_KINDS)
     assert not failures, f"helm template ({name}) against Kubernetes {version}:\n" + "\n".join(failures)
 
 

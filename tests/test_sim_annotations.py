@@ -107,8 +107,14 @@ def drill(tmp_path):
             fleet.stop()
 
 
+def status_of(emulator: Emulator, name: str) -> str | None:
+    return (emulator.node(name)["metadata"].get("annotations") or {}).get(STATUS_ANNOTATION)
+
+
 def annotate(fleet: Fleet, emulator: Emulator, name: str, value: str | None) -> dict:
-    """As `kubectl annotate` would leave the node, then as the watch would hand it over."""
+    """As `kubectl annotate` would leave the node, then as the watch would hand it over; the fault-status
+    annotation the fleet then writes (on its scheduler)."""
+    before = status_of(emulator, name)
     node = emulator.node(name)
     annotations = node["metadata"].setdefault("annotations", {})
     if value is None:
@@ -116,7 +122,8 @@ def annotate(fleet: Fleet, emulator: Emulator, name: str, value: str | None) -> 
     else:
         annotations[INJECT_ANNOTATION] = value
     fleet.on_node_seen(node)
-    return json.loads(emulator.node(name)["metadata"]["annotations"][STATUS_ANNOTATION])
+    assert wait_for(lambda: status_of(emulator, name) not in (None, before), 10.0)
+    return json.loads(status_of(emulator, name))
 
 
 def condition(emulator: Emulator, name: str, type_: str) -> str | None:
@@ -139,7 +146,9 @@ def test_an_annotated_xid_79_breaks_the_node_and_removing_it_reboots_it_healthy(
     assert wait_for(lambda: condition(emulator, "drill-01", "GpuXidError") == "True")
     assert condition(emulator, "drill-00", "GpuXidError") != "True", "only the annotated node"
     assert [(r["node"], r["kind"], r["source"]) for r in fleet.fault_log.records()] == [("drill-01", "xid", "annotation")]
-    annotate(fleet, emulator, "drill-01", XID79)                  # seen again (a resync): nothing new
+    resync = emulator.node("drill-01")
+    resync["metadata"]["annotations"][INJECT_ANNOTATION] = XID79
+    fleet.on_node_seen(resync)                                     # seen again (a resync): nothing new
     assert len(fleet.fault_log.records()) == 1
 
     status = annotate(fleet, emulator, "drill-01", None)

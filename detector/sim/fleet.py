@@ -65,6 +65,8 @@ class SimNode:
         self.send_task = _SendTask(self)
         self.annotation = ""                  # the inject-fault value last acted on
         self.annotated: tuple[Fault, ...] = ()  # the faults it applied, still on the node
+        self.annotation_error: str | None = None  # what was wrong with the value, if anything
+        self.status_task = _StatusTask(self)
 
     @property
     def name(self) -> str:
@@ -92,6 +94,21 @@ class _SendTask(Task):
         """Reads the node first, then sends; the shared client's ApiHealth says what fails, once."""
         self.node.reporter.flush()
         return self.node.reporter.due_at()
+
+
+class _StatusTask(Task):
+    """Writes the node's fault-status annotation: on the shared scheduler, so the watch that saw the
+    annotation goes on to the next node at once instead of waiting for the API server."""
+
+    def __init__(self, node: SimNode):
+        super().__init__()
+        self.node = node
+        self.name = f"fault status of {node.name}"
+        self.write: Callable[[SimNode], None] = lambda node: None      # set by the fleet
+
+    def run(self) -> float | None:
+        self.write(self.node)
+        return None
 
 
 class _FaultsTask(Task):
@@ -205,18 +222,19 @@ class Fleet:
                 log.warning("node %s: %s (its faults stay as they were)", node.name, e)
                 node.reporter.event_out.record("Warning", "InvalidFaultAnnotation", f"{e}; nothing was changed")
                 self.scheduler.wake(node.send_task)
-                self._write_status(node, str(e))
-                return
-            step = plan(node.annotated, wanted)
-            for fault in step.heal + step.inject:
-                self.inject(node.name, fault, "annotation")
-            node.annotated = wanted
-        self._write_status(node)
+                node.annotation_error = str(e)
+            else:
+                step = plan(node.annotated, wanted)
+                for fault in step.heal + step.inject:
+                    self.inject(node.name, fault, "annotation")
+                node.annotated, node.annotation_error = wanted, None
+        self.scheduler.wake(node.status_task)
 
-    def _write_status(self, node: SimNode, error: str | None = None) -> None:
+    def _write_status(self, node: SimNode) -> None:
+        with self._annotation_lock:
+            value = status_value(node.annotated, rfc3339(self.clock()), node.annotation_error)
         try:
-            self.api.patch_node_annotations(node.name, {
-                STATUS_ANNOTATION: status_value(node.annotated, rfc3339(self.clock()), error)})
+            self.api.patch_node_annotations(node.name, {STATUS_ANNOTATION: value})
         except ApiError as e:                   # the faults are applied; only the record of them is late
             log.warning("node %s: cannot write %s: %s", node.name, STATUS_ANNOTATION, e)
 
@@ -260,6 +278,7 @@ class Fleet:
         agent = NodeAgent(host, checks, self.ruleset, [reporter], self._agent_settings, self.clock, rng)
         node = SimNode(spec, fake, agent, reporter)
         reporter.on_pending = lambda: self.scheduler.wake(node.send_task)
+        node.status_task.write = self._write_status
         return node
 
 

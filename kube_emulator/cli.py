@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Sequence
 
 from kube_emulator.changes import DEFAULT_CAPACITY
+from kube_emulator.kinds import DEFAULT_DRA_VERSION, DRA_VERSIONS
 from kube_emulator.rbac import ADMIN, deploy_rbac, packaged_deploy_dir
 from kube_emulator.server import (
     BOOKMARK_INTERVAL_S,
@@ -64,6 +65,9 @@ Tokens and the CA live as long as the process: write the kubeconfig again after 
     parser.add_argument("--bookmark-interval", type=float, default=BOOKMARK_INTERVAL_S, metavar="SECONDS",
                         help="how often a watch with allowWatchBookmarks=true gets a BOOKMARK event "
                              "(default %(default)s)")
+    parser.add_argument("--dra-version", default=DEFAULT_DRA_VERSION, choices=(*DRA_VERSIONS, "none"),
+                        help="the resource.k8s.io version serving ResourceSlices and DeviceTaintRules "
+                             "(default %(default)s; none: not served)")
     where = parser.add_mutually_exclusive_group()
     where.add_argument("--deploy-dir", type=Path, metavar="DIR",
                        help="enforce the RBAC in DIR/base, DIR being a gpu-npd checkout's deploy/ directory "
@@ -110,7 +114,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m kube_emulator
         if args.watch_history < 1 or args.bookmark_interval <= 0:
             raise ValueError("--watch-history must be at least 1 and --bookmark-interval above 0")
         emulator = Emulator(rbac_paths=rbac, https=args.https, watch_history=args.watch_history,
-                            bookmark_interval_s=args.bookmark_interval)
+                            bookmark_interval_s=args.bookmark_interval,
+                            dra_version=None if args.dra_version == "none" else args.dra_version)
         if not emulator.authorizer.policy.bindings:
             raise ValueError(f"no RBAC role bindings in {', '.join(map(str, rbac))}: every request but the "
                              "admin's would be forbidden")

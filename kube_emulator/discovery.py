@@ -8,7 +8,7 @@ API server that does not aggregate.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import AbstractSet, Any
 
 from kube_emulator import openapi
 from kube_emulator.kinds import GROUP_VERSIONS
@@ -47,17 +47,17 @@ def resource_list(group: str, version: str) -> dict[str, Any]:
             "resources": sorted(resources, key=lambda r: r["name"])}
 
 
-def _group(name: str) -> dict[str, Any]:
-    versions = [{"groupVersion": f"{g}/{v}", "version": v} for g, v in group_versions() if g == name]
+def _group(name: str, hidden: AbstractSet[tuple[str, str]]) -> dict[str, Any]:
+    versions = [{"groupVersion": f"{g}/{v}", "version": v} for g, v in group_versions(hidden) if g == name]
     return {"name": name, "versions": versions, "preferredVersion": versions[0]}
 
 
-def document(key: str, server_address: str) -> dict[str, Any] | None:
-    """The discovery document a route's `document` names; None for none."""
-    groups = sorted({g for g, _ in group_versions() if g})
+def document(key: str, server_address: str, hidden: AbstractSet[tuple[str, str]] = frozenset()) -> dict[str, Any] | None:
+    """The discovery document a route's `document` names, less the `hidden` group versions; None for none."""
+    groups = sorted({g for g, _ in group_versions(hidden) if g})
     if key == "root":
         paths = ["/api", "/api/v1", "/apis", "/version", *(f"/{h}" for h in HEALTH_PATHS)]
-        paths += [f"/apis/{g}" for g in groups] + [f"/apis/{g}/{v}" for g, v in group_versions() if g]
+        paths += [f"/apis/{g}" for g in groups] + [f"/apis/{g}/{v}" for g, v in group_versions(hidden) if g]
         return {"paths": sorted(paths)}
     if key == "version":
         return VERSION
@@ -65,14 +65,14 @@ def document(key: str, server_address: str) -> dict[str, Any] | None:
         return {"kind": "APIVersions", "versions": ["v1"],
                 "serverAddressByClientCIDRs": [{"clientCIDR": "0.0.0.0/0", "serverAddress": server_address}]}
     if key == "apis":
-        return {"kind": "APIGroupList", "apiVersion": "v1", "groups": [_group(g) for g in groups]}
+        return {"kind": "APIGroupList", "apiVersion": "v1", "groups": [_group(g, hidden) for g in groups]}
     if key.startswith("openapi/"):
-        return openapi.document(key)
+        return openapi.document(key, hidden)
     parts = key.split("/")
     if parts[0] == "api" and len(parts) == 2:
         return resource_list("", parts[1])
     if parts[0] == "apis" and len(parts) == 2 and parts[1] in groups:
-        return {"kind": "APIGroup", "apiVersion": "v1", **_group(parts[1])}
-    if parts[0] == "apis" and len(parts) == 3:
+        return {"kind": "APIGroup", "apiVersion": "v1", **_group(parts[1], hidden)}
+    if parts[0] == "apis" and len(parts) == 3 and (parts[1], parts[2]) not in hidden:
         return resource_list(parts[1], parts[2])
     return None

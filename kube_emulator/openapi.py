@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any
+from typing import AbstractSet, Any
 
 from kube_emulator.kinds import GROUP_VERSIONS
 from kube_emulator.store import Kind
@@ -65,11 +65,13 @@ def _hash(doc: dict[str, Any]) -> str:
     return hashlib.sha512(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:64].upper()
 
 
-def document(key: str) -> dict[str, Any] | None:
+def document(key: str, hidden: AbstractSet[tuple[str, str]] = frozenset()) -> dict[str, Any] | None:
     """`openapi/v3` (the index) or `openapi/v3/<api/v1 | apis/group/version>`; None for anything else."""
     if key == "openapi/v3":
         index = {}
         for group, version in GROUP_VERSIONS:
+            if (group, version) in hidden:
+                continue
             prefix = _prefix(group, version)
             doc = group_version_document(group, version)
             assert doc is not None
@@ -79,6 +81,6 @@ def document(key: str) -> dict[str, Any] | None:
         parts = key[len("openapi/v3/"):].split("/")
         if parts[0] == "api" and len(parts) == 2:
             return group_version_document("", parts[1])
-        if parts[0] == "apis" and len(parts) == 3:
+        if parts[0] == "apis" and len(parts) == 3 and (parts[1], parts[2]) not in hidden:
             return group_version_document(parts[1], parts[2])
     return None

@@ -4,7 +4,7 @@ resolver decides: /api/v1/... for the core group, /apis/{group}/{version}/... fo
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping
+from typing import AbstractSet, Mapping
 from urllib.parse import unquote
 
 from kube_emulator.kinds import GROUP_VERSIONS
@@ -20,9 +20,11 @@ REVIEWS: dict[tuple[str, str], dict[str, str]] = {
 }
 
 
-def group_versions() -> list[tuple[str, str]]:
-    """Every (group, version) served; ("", "v1") is the core group."""
-    return list(GROUP_VERSIONS) + [gv for gv in REVIEWS if gv not in GROUP_VERSIONS]
+def group_versions(hidden: AbstractSet[tuple[str, str]] = frozenset()) -> list[tuple[str, str]]:
+    """Every (group, version) served, less `hidden` (those one emulator does not serve, such as the
+    resource.k8s.io versions other than its own); ("", "v1") is the core group."""
+    return [gv for gv in list(GROUP_VERSIONS) + [gv for gv in REVIEWS if gv not in GROUP_VERSIONS]
+            if gv not in hidden]
 
 
 @dataclass(frozen=True)
@@ -45,8 +47,9 @@ class Route:
         return self.kind.resource if self.kind is not None else self.review
 
 
-def route_for(path: str) -> Route | None:
-    """The route of a path, or None for a path the server does not serve (404)."""
+def route_for(path: str, hidden: AbstractSet[tuple[str, str]] = frozenset()) -> Route | None:
+    """The route of a path, or None for a path the server does not serve (404), `hidden` group
+    versions included."""
     parts = [unquote(p) for p in path.split("/") if p]
     if not parts:
         return Route("/", document="root")
@@ -59,11 +62,11 @@ def route_for(path: str) -> Route | None:
     elif parts[0] == "apis" and len(parts) >= 2:
         group, version, rest = parts[1], (parts[2] if len(parts) > 2 else ""), parts[3:]
         if not version:
-            known = any(g == group for g, _ in group_versions())
+            known = any(g == group for g, _ in group_versions(hidden))
             return Route("/apis/" + group, document="apis/" + group, group=group) if known else None
     else:
         return None
-    if (group, version) not in group_versions():
+    if (group, version) not in group_versions(hidden):
         return None
     prefix = f"apis/{group}/{version}" if group else f"api/{version}"
     if not rest:

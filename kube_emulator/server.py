@@ -20,7 +20,7 @@ from kube_emulator import discovery
 from kube_emulator.access import impersonate, review
 from kube_emulator.changes import DEFAULT_CAPACITY
 from kube_emulator.faults import Decision, Faults
-from kube_emulator.kinds import LEASES
+from kube_emulator.kinds import DEFAULT_DRA_VERSION, DRA_GROUP, GROUP_VERSIONS, LEASES, hidden_versions
 from kube_emulator.kubeconfig import Identity, build_kubeconfig, write_kubeconfig
 from kube_emulator.patch import (
     PATCH_TYPES,
@@ -327,13 +327,16 @@ class Emulator:
 
     def __init__(self, rbac_paths: Sequence[Path] | None = None, clock: Callable[[], float] = time.time,
                  https: bool = False, watch_history: int = DEFAULT_CAPACITY,
-                 bookmark_interval_s: float = BOOKMARK_INTERVAL_S):
+                 bookmark_interval_s: float = BOOKMARK_INTERVAL_S, dra_version: str | None = DEFAULT_DRA_VERSION):
         """`rbac_paths`: RBAC YAML files or directories (default: deploy/base's RBAC, as packaged).
         `https`: serve HTTPS with a certificate from a CA made for this emulator (`ca_pem`; the
         kubeconfigs it writes carry it). `watch_history`: how many changes are kept for watches
         that start from a resourceVersion (older ones answer 410 Gone). `bookmark_interval_s`: how
-        often a watch with allowWatchBookmarks=true gets a BOOKMARK."""
+        often a watch with allowWatchBookmarks=true gets a BOOKMARK. `dra_version`: the one
+        resource.k8s.io version whose ResourceSlices and DeviceTaintRules are served (None: none)."""
         self.clock = clock
+        self.dra_version = dra_version
+        self.hidden = hidden_versions(dra_version)
         self.https = https
         self.bookmark_interval_s = bookmark_interval_s
         self._tls: ServerTls | None = None
@@ -549,6 +552,28 @@ class Emulator:
     def events(self, namespace: str | None = None) -> list[dict]:
         return [self._with_kind(item, EVENTS) for item in self.store.list(EVENTS, namespace)["items"]]
 
+    def _dra_kind(self, resource: str) -> Kind:
+        if self.dra_version is None:
+            raise RuntimeError("this emulator serves no resource.k8s.io version (dra_version=None)")
+        return GROUP_VERSIONS[(DRA_GROUP, self.dra_version)][resource]
+
+    def create_resource_slice(self, body: dict) -> dict:
+        """Publish a ResourceSlice as a DRA driver would (at the served resource.k8s.io version)."""
+        kind = self._dra_kind("resourceslices")
+        return clone(self.store.create(kind, None, {"apiVersion": kind.api_version, "kind": kind.kind, **body}))
+
+    def resource_slices(self) -> list[dict]:
+        kind = self._dra_kind("resourceslices")
+        return [self._with_kind(item, kind) for item in self.store.list(kind)["items"]]
+
+    def create_device_taint_rule(self, body: dict) -> dict:
+        kind = self._dra_kind("devicetaintrules")
+        return clone(self.store.create(kind, None, {"apiVersion": kind.api_version, "kind": kind.kind, **body}))
+
+    def device_taint_rules(self) -> list[dict]:
+        kind = self._dra_kind("devicetaintrules")
+        return [self._with_kind(item, kind) for item in self.store.list(kind)["items"]]
+
     @staticmethod
     def _with_kind(item: dict, kind: Kind) -> dict:
         return {"apiVersion": "v1", "kind": kind.kind, **clone(item)}
@@ -586,7 +611,7 @@ class Emulator:
             return Response(0, drop=True)    # down: a request on a connection not yet closed gets nothing
         if request.path == "/emulator" or request.path.startswith("/emulator/"):
             return self._guard(lambda: self._control(request))
-        route = route_for(request.path)
+        route = route_for(request.path, self.hidden)
         verb = verb_for(request.method, route, request.query)
         user = self.tokens.user(_bearer(request.headers))
         decision = self.faults.decide(verb, request.method, request.path)
@@ -650,7 +675,8 @@ class Emulator:
         if request.method not in ("GET", "HEAD"):
             raise _method_not_allowed()
         host, port = self._require_started()
-        doc = discovery.document(route.document, f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
+        doc = discovery.document(route.document, f"[{host}]:{port}" if ":" in host else f"{host}:{port}",
+                                 self.hidden)
         if doc is None:
             raise ApiError(404, "NotFound", "the server could not find the requested resource", {})
         return Response.of(200, doc)

@@ -324,7 +324,7 @@ def test_kubeconfig_file_is_private(emulator, tmp_path: Path):
 
 def test_openapi_v3_says_the_server_validates_fields(emulator):
     index = call(emulator, "GET", "/openapi/v3")[1]["paths"]
-    assert set(index) == {"api/v1", "apis/coordination.k8s.io/v1"}
+    assert set(index) == {"api/v1", "apis/coordination.k8s.io/v1", "apis/resource.k8s.io/v1alpha3"}
     code, doc = call(emulator, "GET", index["api/v1"]["serverRelativeURL"])
     assert code == 200
     patch = doc["paths"]["/api/v1/nodes/{name}"]["patch"]

@@ -576,7 +576,7 @@ class Emulator:
 
     @staticmethod
     def _with_kind(item: dict, kind: Kind) -> dict:
-        return {"apiVersion": "v1", "kind": kind.kind, **clone(item)}
+        return {"apiVersion": kind.api_version, "kind": kind.kind, **clone(item)}
 
     def set_node_condition(self, name: str, condition: dict) -> dict:
         """Add or update one condition by type, as the kubelet does: heartbeat now, transition time

@@ -128,6 +128,7 @@ def test_deploy_has_the_expected_manifests():
         ("ServiceAccount", "gpu-npd-simulator"), ("ClusterRole", "gpu-npd-simulator"),
         ("ClusterRoleBinding", "gpu-npd-simulator"), ("ConfigMap", "gpu-npd-fleet"),
         ("StatefulSet", "gpu-npd-simulator"), ("Service", "gpu-npd-simulator"), ("Node", "kwok-gpu-manual-0"), ("Node", "kwok-gpu-manual-1"),
+        ("ClusterRole", "gpu-npd-dra-taints"), ("ClusterRoleBinding", "gpu-npd-dra-taints"),
     }
 
 
@@ -214,8 +215,20 @@ def test_cluster_role_grants_exactly_what_gpu_npd_needs():
     assert "aggregationRule" not in role
 
 
+def test_dra_taints_role_grants_only_what_device_taints_need(daemonset):
+    """deploy/overlays/dra-taints: a role of its own for --dra-taints, bound to the daemon's account."""
+    role = find("ClusterRole", "gpu-npd-dra-taints")
+    granted = {(g, r, v) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"]
+               for v in rule["verbs"]}
+    assert granted == {("resource.k8s.io", "resourceslices", "list")} | {
+        ("resource.k8s.io", "devicetaintrules", v) for v in ("get", "list", "create", "update", "delete")}
+    binding = find("ClusterRoleBinding", "gpu-npd-dra-taints")
+    assert binding["roleRef"]["name"] == "gpu-npd-dra-taints"
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "gpu-npd", "namespace": NAMESPACE}]
+
+
 def test_no_wildcard_anywhere_in_rbac():
-    for rule in find("ClusterRole", "gpu-npd")["rules"]:
+    for rule in find("ClusterRole", "gpu-npd")["rules"] + find("ClusterRole", "gpu-npd-dra-taints")["rules"]:
         for key in ("apiGroups", "resources", "verbs"):
             assert not any("*" in value for value in rule[key]), f"wildcard in {key}: {rule}"
 

@@ -121,6 +121,7 @@ DAEMON_VARIANTS = {
     "overlays/podmonitor": "privileged",
     "overlays/custom-node-label": "privileged",
     "overlays/unprivileged": "baseline",
+    "overlays/dra-taints": "privileged",
 }
 PREFLIGHTS = {"preflight": "gpu-npd-preflight", "preflight-nccl": "gpu-npd-preflight-nccl"}
 
@@ -710,6 +711,18 @@ def test_podmonitor_overlay_is_the_base_plus_the_podmonitor(kubectl):
     overlay = {key(d): d for d in variant(kubectl, "overlays/podmonitor")}
     assert set(overlay) - set(base) == {("PodMonitor", "gpu-npd")}
     assert all(overlay[k] == base[k] for k in base)
+
+
+def test_dra_taints_overlay_is_the_base_plus_its_role_and_the_flag(kubectl):
+    def key(d: dict) -> tuple[str, str]:
+        return d["kind"], d["metadata"]["name"]
+    base = {key(d): d for d in variant(kubectl, "base")}
+    overlay = {key(d): d for d in variant(kubectl, "overlays/dra-taints")}
+    assert set(overlay) - set(base) == {("ClusterRole", "gpu-npd-dra-taints"),
+                                        ("ClusterRoleBinding", "gpu-npd-dra-taints")}
+    assert all(overlay[k] == base[k] for k in base if k != ("DaemonSet", "gpu-npd"))
+    args = only_container(overlay[("DaemonSet", "gpu-npd")])["args"]
+    assert args == only_container(base[("DaemonSet", "gpu-npd")])["args"] + ["--dra-taints"]
 
 
 def test_custom_resources_are_only_the_known_ones(kubectl):

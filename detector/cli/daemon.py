@@ -15,6 +15,7 @@ from detector.agent.agent import CLEAR_RESULT_FILE, PROBLEMS_FILE, AgentSettings
 from detector.cli.signals import on_stop_signals
 from detector.daemon.logs import setup_logging
 from detector.daemon.run import Daemon, DaemonSettings
+from detector.kube.device_taints import DeviceTaintSettings
 from detector.kube.events import EventSettings
 from detector.kube.reporter import ReporterSettings
 
@@ -72,6 +73,15 @@ def add_daemon_parsers(sub: Any) -> None:
                    help="one more event allowed every S seconds after the burst (default 300)")
     r.add_argument("--start-spread", type=float, default=10.0, metavar="S",
                    help="spread the checks' first runs over S seconds (default 10)")
+    r.add_argument("--dra-taints", action="store_true",
+                   default=_env("GPU_NPD_DRA_TAINTS", "").lower() in ("1", "true", "yes"),
+                   help="taint failed and degraded GPUs through DRA: a DeviceTaintRule (resource.k8s.io, KEP-5055) "
+                        "per unhealthy GPU of the NVIDIA DRA driver's ResourceSlices, deleted when it recovers; "
+                        "needs the RBAC of deploy/overlays/dra-taints [GPU_NPD_DRA_TAINTS] (default: off)")
+    r.add_argument("--dra-taint-degraded-effect", choices=("NoSchedule", "NoExecute", "None"), default="NoSchedule",
+                   help="the taint effect for a degraded GPU; None: no taint (default: NoSchedule)")
+    r.add_argument("--dra-taint-failed-effect", choices=("NoSchedule", "NoExecute", "None"), default="NoExecute",
+                   help="the taint effect for a failed GPU; None: no taint (default: NoExecute)")
     r.add_argument("--log-format", choices=("text", "json"), default=_env("GPU_NPD_LOG_FORMAT", "text"),
                    help="[GPU_NPD_LOG_FORMAT] (default: text)")
     r.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
@@ -130,6 +140,10 @@ def cmd_run(args: argparse.Namespace) -> int:
                             state_dir=state_dir),
         reporter=ReporterSettings(heartbeat_s=args.heartbeat,
                                   events=EventSettings(burst=args.event_burst, refill_per_s=1 / args.event_refill)),
+        dra_taints=DeviceTaintSettings(
+            degraded_effect=None if args.dra_taint_degraded_effect == "None" else args.dra_taint_degraded_effect,
+            failed_effect=None if args.dra_taint_failed_effect == "None" else args.dra_taint_failed_effect)
+        if args.dra_taints and not args.no_kube else None,
     )
     try:
         daemon = Daemon(host, checks, ruleset, api, settings)

@@ -6,6 +6,7 @@
   five-minute probe never delays an XID;
 - sender: reads the node, then sends conditions and events when they change or are due, backing off when
   the API server is unwell, so a slow, absent or refusing API server never delays a check;
+- dra-taints (only with --dra-taints): keeps a DeviceTaintRule per failed or degraded GPU (device_taints.py);
 - endpoints: /metrics, /healthz (the daemon's own loops are turning: an API outage never gets the pod
   killed) and /readyz (reports are reaching the API server).
 SIGTERM sets `stop`; every loop wakes within a second and the daemon exits within a few seconds, abandoning
@@ -31,6 +32,7 @@ from detector.core.types import Problem
 from detector.daemon.endpoints import Endpoints
 from detector.kube.api import KubeApi
 from detector.kube.conditions import MARKER, MESSAGE_LIMIT
+from detector.kube.device_taints import DeviceTaintSettings, DeviceTaintSink
 from detector.kube.health import ApiHealth, ReportingState
 from detector.kube.reporter import KubeReporter, ReporterSettings
 from detector.rules.loader import RuleSet
@@ -49,6 +51,7 @@ class DaemonSettings:
     agent: AgentSettings = field(default_factory=AgentSettings)
     reporter: ReporterSettings = field(default_factory=ReporterSettings)
     watch_kernel_log: bool = True
+    dra_taints: DeviceTaintSettings | None = None     # opt-in DRA device taints (--dra-taints)
 
 
 class LogSink(AgentSink):
@@ -84,7 +87,11 @@ class Daemon:
                                                      self.settings.reporter.outage_log_every_s)
             self.reporter = KubeReporter(api, host.node_name, sorted(ruleset.types()), self.settings.reporter,
                                          clock, rng)
+        self.device_taints: DeviceTaintSink | None = None
+        if api is not None and self.settings.dra_taints is not None:
+            self.device_taints = DeviceTaintSink(api, host.node_name, self.settings.dra_taints, rng=rng)
         sinks = [self.metrics, LogSink()] + ([self.reporter] if self.reporter else [])
+        sinks += [self.device_taints] if self.device_taints else []
         agent_settings = replace(self.settings.agent,
                                  message_limit=min(self.settings.agent.message_limit, MESSAGE_LIMIT - len(MARKER)))
         self.agent = NodeAgent(host, checks, ruleset, sinks, agent_settings, clock, rng)
@@ -121,6 +128,9 @@ class Daemon:
         threads = [self._spawn("scheduler", self._schedule_loop)]
         if self.reporter is not None:
             threads.append(self._spawn("sender", self._send_loop))
+        if self.device_taints is not None:
+            taints = self.device_taints
+            threads.append(self._spawn("dra-taints", lambda: taints.run(self.stop)))
         if self._split_lanes:
             threads.append(self._spawn("prober", self._probe_loop))
         reader = self.host.kernel_log

@@ -1,4 +1,4 @@
-"""The API calls gpu-npd makes (the daemon: four; the fleet simulator also lists, watches and annotates
+"""The API calls gpu-npd makes (the daemon: four, and with --dra-taints the resource.k8s.io ones; the fleet simulator also lists, watches and annotates
 its nodes), with a client-side QPS limit.
 
 Responses are plain JSON (no model objects): cheap in memory and CPU, which matters when one simulator
@@ -147,6 +147,44 @@ class KubeApi:
     def patch_event(self, name: str, body: dict[str, Any], namespace: str = EVENT_NAMESPACE) -> dict[str, Any]:
         return self._call("patch", "events", "PATCH", f"/api/v1/namespaces/{quote(namespace)}/events/{quote(name)}",
                           body, MERGE_PATCH)
+
+    # -- resource.k8s.io (DRA device taints, opt-in: detector/kube/device_taints.py) ------------------
+
+    def get_api_group(self, group: str) -> dict[str, Any]:
+        """The APIGroup discovery document of /apis/<group>: its versions, preferred first. 404 when the
+        cluster does not serve the group."""
+        return self._call("get", "discovery", "GET", f"/apis/{quote(group)}")
+
+    def get_api_resources(self, group: str, version: str) -> dict[str, Any]:
+        """The APIResourceList of /apis/<group>/<version>: which resources that version serves."""
+        return self._call("get", "discovery", "GET", f"/apis/{quote(group)}/{quote(version)}")
+
+    def list_resource_slices(self, version: str, field_selector: str = "") -> list[dict[str, Any]]:
+        query = f"?fieldSelector={quote(field_selector)}" if field_selector else ""
+        return self._call("list", "resourceslices", "GET",
+                          f"/apis/resource.k8s.io/{quote(version)}/resourceslices{query}").get("items", [])
+
+    def list_device_taint_rules(self, version: str, label_selector: str = "") -> list[dict[str, Any]]:
+        query = f"?labelSelector={quote(label_selector)}" if label_selector else ""
+        return self._call("list", "devicetaintrules", "GET",
+                          f"/apis/resource.k8s.io/{quote(version)}/devicetaintrules{query}").get("items", [])
+
+    def get_device_taint_rule(self, version: str, name: str) -> dict[str, Any]:
+        return self._call("get", "devicetaintrules", "GET",
+                          f"/apis/resource.k8s.io/{quote(version)}/devicetaintrules/{quote(name)}", name=name)
+
+    def create_device_taint_rule(self, version: str, body: dict[str, Any]) -> dict[str, Any]:
+        return self._call("create", "devicetaintrules", "POST",
+                          f"/apis/resource.k8s.io/{quote(version)}/devicetaintrules", body)
+
+    def update_device_taint_rule(self, version: str, name: str, body: dict[str, Any]) -> dict[str, Any]:
+        """A PUT: `body` carries the metadata.resourceVersion it replaces (409 Conflict if it moved on)."""
+        return self._call("update", "devicetaintrules", "PUT",
+                          f"/apis/resource.k8s.io/{quote(version)}/devicetaintrules/{quote(name)}", body, name=name)
+
+    def delete_device_taint_rule(self, version: str, name: str) -> dict[str, Any]:
+        return self._call("delete", "devicetaintrules", "DELETE",
+                          f"/apis/resource.k8s.io/{quote(version)}/devicetaintrules/{quote(name)}", name=name)
 
     def _pace(self) -> None:
         with self._limiter_lock:

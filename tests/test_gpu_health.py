@@ -92,3 +92,29 @@ def test_metrics_have_one_series_per_gpu_that_follows_its_state():
     clock.now += 60
     agent.run_due()
     assert {(l["state"], v) for l, v in series().values()} == {("healthy", 0.0)} and len(series()) == 8
+
+
+def test_diagnose_shows_each_gpus_health_in_json_and_table_as_the_metric_does():
+    import json
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    def diagnose(*args: str) -> str:
+        return subprocess.run([sys.executable, "-m", "detector.cli.main", "diagnose", "--nvml",
+                               "fake:h100-sxm-8-xid79", *args], capture_output=True, text=True, cwd=REPO,
+                              timeout=60).stdout
+
+    report = json.loads(diagnose("-o", "json"))
+    health = {g["pci_bus_id"]: g["health"] for g in report["gpus"]}
+    assert health["0000:5d:00.0"] == {"state": "failed", "action": "RESTART_BM",
+                                      "reasons": ["GpuFellOffBus", "Xid79GpuFellOffBus"]}
+    assert all(h == {"state": "healthy", "action": "NONE", "reasons": []}
+               for bus, h in health.items() if bus != "0000:5d:00.0")
+    table = diagnose()
+    header = next(line for line in table.splitlines() if line.startswith("GPU "))
+    assert "HEALTH" in header.split()
+    [lost] = [line for line in table.splitlines() if "0000:5d:00.0" in line and not line.startswith(" ")]
+    assert "failed RESTART_BM" in lost
+    assert sum("healthy" in line.split() for line in table.splitlines()) == 7

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from detector.core.gpu_health import GpuHealth, gpu_health, gpu_key
 from detector.core.inventory import GpuIdentity
 from detector.core.sweep import SweepResult
 from detector.core.types import GpuRef, Problem, Severity
@@ -17,8 +18,15 @@ class Diagnosis:
     problems: list[Problem]
     rules: list[dict] | None = None       # the active rule sets: [{"source", "rules"}]
 
+    def health(self) -> dict[str, GpuHealth]:
+        """Each GPU's state (healthy, degraded, failed) and recommended action from the problems naming
+        it, by gpu_key: what the daemon exports per GPU, so diagnose and the metrics agree."""
+        refs = [g.ref() for g in self.sweep.inventory.gpus] + list(unseen_gpus(self).values())
+        return {gpu_key(h.gpu): h for h in gpu_health(refs, self.problems)}
+
     def to_dict(self) -> dict[str, Any]:
         inv = self.sweep.inventory
+        health = self.health()
         return {
             "node": self.sweep.node,
             "backend": self.backend,
@@ -28,9 +36,10 @@ class Diagnosis:
             "gpus": [{
                 "index": g.index, "uuid": g.uuid, "name": g.name, "pci_bus_id": g.pci_bus_id,
                 **g.identity.to_dict(), "pcie": g.pcie.to_dict() if g.pcie else None, "error": g.error,
+                "health": _health_dict(health.get(gpu_key(g.ref()))),
             } for g in inv.gpus] + [{
                 "index": None, "uuid": ref.uuid, "name": None, "pci_bus_id": bus, **GpuIdentity().to_dict(),
-                "pcie": None, "error": "NotSeenByNvml",
+                "pcie": None, "error": "NotSeenByNvml", "health": _health_dict(health.get(gpu_key(ref))),
             } for bus, ref in unseen_gpus(self).items()],
             "problems": [p.to_dict() for p in self.problems],
             "rules": self.rules,
@@ -46,7 +55,8 @@ def render_table(d: Diagnosis) -> str:
         lines.append("NVML: no NVIDIA driver on this machine (LibraryNotFound); GPUs are named by bus id")
     elif inv.nvml_error:
         lines.append(f"NVML unusable: {inv.nvml_error}")
-    rows = [("GPU", "NAME", "BUS ID", "UUID", "SERIAL", "PCIE", "STATE")]
+    rows = [("GPU", "NAME", "BUS ID", "UUID", "SERIAL", "PCIE", "HEALTH", "STATE")]
+    health = d.health()
     # A GPU is its bus id first: an index is NVML's, and a GPU NVML does not see has none.
     reasons: dict[str | int, list[str]] = {}
     for p in d.problems:
@@ -60,9 +70,10 @@ def render_table(d: Diagnosis) -> str:
             link = f"Gen{g.pcie.current_gen} x{g.pcie.current_width}/x{g.pcie.max_width}"
         state = reasons.get(g.pci_bus_id, []) if g.pci_bus_id else reasons.get(g.index, [])
         rows.append((str(g.index), g.name or "-", g.pci_bus_id or "-", g.uuid or "-", g.identity.serial or "-",
-                     link, ",".join(state) or g.error or "ok"))
+                     link, _health_cell(health.get(gpu_key(g.ref()))), ",".join(state) or g.error or "ok"))
     for bus, ref in unseen_gpus(d).items():
-        rows.append(("-", "-", bus, ref.uuid or "-", "-", "-", ",".join(reasons.get(bus, [])) or "NotSeenByNvml"))
+        rows.append(("-", "-", bus, ref.uuid or "-", "-", "-", _health_cell(health.get(gpu_key(ref))),
+                     ",".join(reasons.get(bus, [])) or "NotSeenByNvml"))
     if len(rows) > 1:
         lines += ["", *_columns(rows)]
     lines += ["", "checks: " + ", ".join(
@@ -95,6 +106,19 @@ def unseen_gpus(d: Diagnosis) -> dict[str, GpuRef]:
         if ref.pci_bus_id and ref.pci_bus_id not in known:
             unseen.setdefault(ref.pci_bus_id, ref)
     return dict(sorted(unseen.items()))
+
+
+def _health_dict(h: GpuHealth | None) -> dict[str, Any]:
+    if h is None:
+        return {"state": "healthy", "action": "NONE", "reasons": []}
+    return {"state": h.state, "action": h.action, "reasons": list(h.reasons)}
+
+
+def _health_cell(h: GpuHealth | None) -> str:
+    """`healthy`, or the state and the action: `failed RESTART_BM`."""
+    if h is None or h.action == "NONE":
+        return "healthy" if h is None else h.state
+    return f"{h.state} {h.action}"
 
 
 def _badge(severity: Severity) -> str:

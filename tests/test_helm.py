@@ -99,6 +99,7 @@ VARIANTS: dict[str, tuple[dict[str, Any], str | None]] = {
     "nvidia-runtime": ({"runtimeClassName": "nvidia"}, "overlays/nvidia-runtime"),
     "podmonitor": ({"podMonitor": {"enabled": True}}, "overlays/podmonitor"),
     "custom-node-label": ({"gpuNodeSelectorTerms": CUSTOM_LABEL_TERMS}, "overlays/custom-node-label"),
+    "dra-taints": ({"draTaints": {"enabled": True}}, "overlays/dra-taints"),
     "servicemonitor": ({"serviceMonitor": {"enabled": True, "labels": {"release": "kube-prometheus-stack"}}}, None),
     "site": ({"rules": {"files": {"b-pcie.yaml": {"version": 1, "rules": [SITE_RULE]}, "a-text.yml": TEXT_RULE_FILE}},
               "checks": SITE_CHECKS, "extraArgs": ["--heartbeat", 120],

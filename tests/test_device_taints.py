@@ -178,8 +178,8 @@ def test_no_resource_slice_no_rule_one_message(emulator, start, caplog):
     time.sleep(0.5)
     assert rules(emulator) == {}
     said = [r.getMessage() for r in caplog.records if "no ResourceSlice" in r.getMessage()]
-    assert said == [f"DRA device taints: node {NODE} has no ResourceSlice of driver gpu.nvidia.com (is the NVIDIA "
-                    "DRA driver running here?): no GPU is tainted"]
+    assert said == [(f"DRA device taints: node {NODE} has no ResourceSlice of driver gpu.nvidia.com (is the "
+                     "NVIDIA DRA driver running here?): no GPU is tainted")]
 
 
 def test_base_rbac_only_one_error_and_conditions_still_reported(start, caplog):

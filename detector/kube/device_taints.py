@@ -205,6 +205,7 @@ class DeviceTaintSink(AgentSink):
         if self._refused:
             log.info("DRA device taints: the API server now lets gpu-npd manage DeviceTaintRules")
             self._refused.clear()
+            self.note = ""
         self.backoff.reset()
         with self._lock:
             self._retry_at = 0.0 if done else now + min(self.settings.slice_relist_s, max(
@@ -241,9 +242,12 @@ class DeviceTaintSink(AgentSink):
         if self.rule_version is None and not self._discover():
             return True
         assert self.rule_version is not None
-        if self._rules is None:                     # on start: what earlier runs left
-            self._rules = {r["metadata"]["name"]: r for r in self.api.list_device_taint_rules(
-                self.rule_version, f"{MANAGED_BY}={MANAGER},{NODE_LABEL}={_label_value(self.node)}")}
+        first = self._rules is None
+        # This node's rules as they are now (one request per change): on start what earlier runs left,
+        # later whatever someone else deleted or edited meanwhile.
+        self._rules = {r["metadata"]["name"]: r for r in self.api.list_device_taint_rules(
+            self.rule_version, f"{MANAGED_BY}={MANAGER},{NODE_LABEL}={_label_value(self.node)}")}
+        if first:
             self._adopted = set(self._rules)
         missing = [w for w in wanted.values() if self._device(w) is None]
         if missing and now - self._listed_at >= self.settings.slice_relist_s:

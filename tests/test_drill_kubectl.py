@@ -23,7 +23,7 @@ from detector.sim.fleet import Fleet, FleetSettings
 from detector.sim.fleetfile import fleet_from_dict
 from kube_emulator import Emulator
 from kube_emulator.rbac import ADMIN
-from test_emulator_real_clients import find_kubectl
+from test_deploy_render import find_kubectl
 
 NODE = "gpu-h100-0007"
 XID79 = '{"kind": "xid", "gpu": 3, "params": {"code": 79}}'

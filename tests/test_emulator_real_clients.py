@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import queue
-import shutil
 import subprocess
 import threading
 from datetime import datetime, timezone
@@ -19,14 +18,10 @@ from kubernetes import client, config, watch
 from conftest import REPO
 from kube_emulator import Emulator
 from kube_emulator.rbac import ADMIN
+from test_deploy_render import find_kubectl
 
 SA = "system:serviceaccount:gpu-npd:gpu-npd"
 WAIT_S = 10.0    # the longest a test waits for output it expects: never reached when things work
-
-
-def find_kubectl() -> str | None:
-    local = REPO / ".venv" / "tools" / "kubectl"
-    return str(local) if os.access(local, os.X_OK) else shutil.which("kubectl")
 
 
 @pytest.fixture(scope="module")

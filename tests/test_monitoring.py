@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import subprocess
 import urllib.request
 from typing import Any, Iterator
@@ -38,6 +37,7 @@ from detector.daemon.run import DaemonSettings
 from detector.rules.loader import load_rules
 from fake_nvml.faults import Fault
 from kube_emulator import Emulator
+from test_deploy_render import find_kubectl
 
 MONITORING = REPO / "deploy" / "monitoring"
 RULE_FILE = MONITORING / "prometheusrule.yaml"
@@ -55,7 +55,6 @@ SEVERITIES = {"critical", "warning", "info"}
 RULE_KEYS = {"alert", "record", "expr", "for", "keep_firing_for", "labels", "annotations"}
 DURATION = re.compile(r"(\d+(ms|s|m|h|d|w|y))+")
 METRIC_NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
-KUBECTL_CANDIDATES = (REPO / ".venv" / "tools" / "kubectl", REPO / ".venv" / "bin" / "kubectl")
 LAST_APPLIED_LIMIT = 262144       # kubectl apply keeps the object in an annotation; annotations are capped
 
 
@@ -544,11 +543,6 @@ def test_dashboard_covers_the_fleet_view():
 
 # --- kubectl kustomize deploy/monitoring
 
-def find_kubectl() -> str | None:
-    for candidate in KUBECTL_CANDIDATES:
-        if candidate.is_file() and os.access(candidate, os.X_OK):
-            return str(candidate)
-    return shutil.which("kubectl")
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,6 @@ value without touching the node, heal by a GPU reset or (XIDs) a reboot."""
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 
@@ -21,6 +20,7 @@ from detector.sim.fleet import Fleet, FleetSettings
 from detector.sim.fleetfile import fleet_from_dict
 from fake_nvml.faults import Fault
 from kube_emulator import Emulator
+from test_sim_fleet import wait_for
 
 XID79 = '{"kind": "xid", "gpu": 3, "params": {"code": 79}}'
 
@@ -128,15 +128,6 @@ def annotate(fleet: Fleet, emulator: Emulator, name: str, value: str | None) -> 
 
 def condition(emulator: Emulator, name: str, type_: str) -> str | None:
     return next((c["status"] for c in emulator.node(name)["status"].get("conditions", []) if c["type"] == type_), None)
-
-
-def wait_for(predicate, timeout_s: float = 20.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return False
 
 
 def test_an_annotated_xid_79_breaks_the_node_and_removing_it_reboots_it_healthy(drill):

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from detector.core.check import SCHEDULE_FIELDS, Check, CheckRegistry
+from detector.core.check import Check, CheckRegistry
 from detector.yamlsource import MappingReader, SourceError, load_yaml
 
 
@@ -44,7 +44,7 @@ def build_checks(registry: CheckRegistry, selected: Sequence[str] | None,
 
 def _build_check(cls: type[Check], raw: Mapping[str, Any], file: str) -> Check:
     reader = MappingReader(file, raw, f"checks.{cls.name}")
-    reader.reject_unknown(set(cls.config_fields) | set(SCHEDULE_FIELDS))
+    reader.reject_unknown(set(cls.config_fields) | set(cls.schedule_fields()))
     values: dict[str, Any] = {key: reader.get(key, spec.kind, spec.default) for key, spec in cls.config_fields.items()}
     for key in ("interval", "timeout"):
         if reader.has(key):

@@ -8,12 +8,12 @@ from typing import Sequence
 
 import pytest
 
+from detector.agent.oneshot import diagnose_once
 from detector.cli.main import builtin_rules_dir
 from detector.config import build_checks
 from detector.core.check import CheckRegistry
-from detector.core.sweep import Host, SweepResult, run_sweep
+from detector.core.sweep import Host, SweepResult
 from detector.core.types import Problem
-from detector.rules.engine import RuleEngine
 from detector.rules.loader import load_rules
 from fake_nvml.host import fake_host
 from fake_nvml.node import FakeNode
@@ -52,9 +52,12 @@ def registry() -> CheckRegistry:
 def diagnose_host(host: Host, registry: CheckRegistry, checks: Sequence[str] | None = None,
                   settings: dict | None = None, inventory_timeout_s: float = 5.0) -> Outcome:
     rules = load_rules([builtin_rules_dir()], registry.fields_by_check())
-    sweep = run_sweep(host, build_checks(registry, checks, settings or {}), inventory_timeout_s)
-    host.close()
-    return Outcome(sweep, RuleEngine(rules).evaluate(sweep.observations))
+    try:
+        sweep, problems = diagnose_once(host, build_checks(registry, checks, settings or {}), rules,
+                                        inventory_timeout_s)
+    finally:
+        host.close()
+    return Outcome(sweep, problems)
 
 
 def node_for(scenario: str, name: str | None = None) -> FakeNode:

@@ -163,9 +163,10 @@ def copy_of_deploy(tmp_path: Path) -> Path:
 def test_every_variant_is_covered():
     """A new overlay is rendered and validated below without being named; naming the DaemonSet ones
     here makes its Pod Security level and node selection a decision, not an accident. deploy/monitoring
-    holds no pods (alerts and a dashboard: tests/test_monitoring.py)."""
+    holds no pods (alerts and a dashboard: tests/test_monitoring.py), nor does deploy/remediation (a
+    NodeHealthCheck: tests/test_remediation.py)."""
     names = {name_of(v) for v in VARIANTS}
-    expected = set(DAEMON_VARIANTS) | set(PREFLIGHTS) | {"kwok", "monitoring"}
+    expected = set(DAEMON_VARIANTS) | set(PREFLIGHTS) | {"kwok", "monitoring", "remediation"}
     assert names == expected, f"new or missing kustomizations: {sorted(names ^ expected)}"
 
 
@@ -206,7 +207,7 @@ def test_strict_validation_rejects_a_misspelt_field(kubectl):
 
 @pytest.mark.parametrize("directory", VARIANTS, ids=name_of)
 def test_rendered_objects_live_in_the_gpu_npd_namespace_and_nothing_local_leaks(kubectl, directory):
-    cluster_scoped = {"Namespace", "ClusterRole", "ClusterRoleBinding", "Node"}
+    cluster_scoped = {"Namespace", "ClusterRole", "ClusterRoleBinding", "Node", "NodeHealthCheck"}
     for doc in render(kubectl, directory):
         where = f"{doc['kind']}/{doc['metadata']['name']}"
         if doc["kind"] in cluster_scoped:
@@ -650,7 +651,9 @@ def test_preflight_container_exits_with_diagnose_s_code(kubectl, preflight):
 
 # --- PodMonitor (Prometheus Operator)
 
-CUSTOM_RESOURCES = {"PodMonitor": "monitoring.coreos.com/v1", "PrometheusRule": "monitoring.coreos.com/v1"}
+# NodeHealthCheck (deploy/remediation): validated against medik8s' CRD in tests/test_remediation.py.
+CUSTOM_RESOURCES = {"PodMonitor": "monitoring.coreos.com/v1", "PrometheusRule": "monitoring.coreos.com/v1",
+                    "NodeHealthCheck": "remediation.medik8s.io/v1alpha1"}
 # monitoring.coreos.com/v1 PodMonitor: the fields this project may use, so a misspelt one fails here
 # as it would against the CRD's schema.
 PODMONITOR_SPEC_FIELDS = {"selector", "namespaceSelector", "podMetricsEndpoints", "jobLabel", "podTargetLabels",

@@ -109,8 +109,9 @@ def test_diagnose_shows_each_gpus_health_in_json_and_table_as_the_metric_does():
     report = json.loads(diagnose("-o", "json"))
     health = {g["pci_bus_id"]: g["health"] for g in report["gpus"]}
     assert health["0000:5d:00.0"] == {"state": "failed", "action": "RESTART_BM",
-                                      "reasons": ["GpuFellOffBus", "Xid79GpuFellOffBus"]}
-    assert all(h == {"state": "healthy", "action": "NONE", "reasons": []}
+                                      "reasons": ["GpuFellOffBus", "Xid79GpuFellOffBus"],
+                                      "incidents": 0}          # diagnose keeps no history across boots
+    assert all(h == {"state": "healthy", "action": "NONE", "reasons": [], "incidents": 0}
                for bus, h in health.items() if bus != "0000:5d:00.0")
     table = diagnose()
     header = next(line for line in table.splitlines() if line.startswith("GPU "))

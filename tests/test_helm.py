@@ -285,7 +285,7 @@ def test_values_schema_knows_every_check_and_setting(registry):
     for name, section in checks["properties"].items():
         fields = registry.get(name).config_fields
         assert section["additionalProperties"] is False, name
-        assert set(section["properties"]) == set(fields) | {"enabled", "interval", "timeout"}, name
+        assert set(section["properties"]) == set(fields) | set(registry.get(name).schedule_fields()), name
         for key, field in fields.items():
             assert section["properties"][key]["type"] == types[field.kind], f"checks.{name}.{key}"
 

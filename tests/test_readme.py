@@ -649,7 +649,8 @@ def settings_table() -> str:
     for cls in classes:
         schedule = {"interval": (float, cls.default_interval_s), "timeout": (float, cls.default_timeout_s),
                     "enabled": (bool, cls.enabled_by_default)}
-        entries = [(key, kind, default, SCHEDULE_FIELDS[key]) for key, (kind, default) in schedule.items()]
+        entries = [(key, kind, default, SCHEDULE_FIELDS[key]) for key, (kind, default) in schedule.items()
+                   if key in cls.schedule_fields()]
         entries += [(key, spec.kind, spec.default, spec.help) for key, spec in cls.config_fields.items()]
         for key, kind, default, meaning in entries:
             meaning = meaning.replace("|", "\\|")

@@ -13,7 +13,7 @@ import os
 import random
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
@@ -21,6 +21,7 @@ from detector.agent.active import ActiveProblems, ConditionStatus
 from detector.core.check import Check
 from detector.core.gpu_health import GpuHealth, gpu_health, gpu_key
 from detector.core.inventory import Inventory
+from detector.core.nodecheck import NodeCheck, NodeView, judge_node
 from detector.core.sweep import CheckRun, Host, SweepResult, run_sweep
 from detector.core.types import GpuRef, Problem
 from detector.rules.engine import RuleEngine
@@ -64,22 +65,28 @@ class NodeAgent:
     def __init__(self, host: Host, checks: Sequence[Check], ruleset: RuleSet, sinks: Iterable[AgentSink] = (),
                  settings: AgentSettings | None = None, clock: Callable[[], float] = time.time,
                  rng: random.Random | None = None):
-        self.host, self.checks, self.ruleset = host, list(checks), ruleset
+        self.host, self.ruleset = host, ruleset
+        self.checks = [c for c in checks if not isinstance(c, NodeCheck)]       # scheduled, in sweeps
+        self.node_checks = [c for c in checks if isinstance(c, NodeCheck)]     # judged after every sweep
         self.sinks = list(sinks)
         self.settings = settings or AgentSettings()
         self.clock = clock
         self.engine = RuleEngine(ruleset)
         self.active = ActiveProblems(ruleset.rules)
         self.owned_types = sorted(ruleset.types())
-        self._needs = _checks_per_type(ruleset, {c.name for c in self.checks})
+        self._needs = _checks_per_type(ruleset, {c.name for c in [*self.checks, *self.node_checks]})
+        self._node_scoped = frozenset(r.name for r in ruleset.rules if r.scope == "node")
         rng = rng or random.Random()
         now = clock()
         self._next = {c.name: now + rng.uniform(0, self.settings.start_spread_s) for c in self.checks}
         self._by_name = {c.name: c for c in self.checks}
         self._ran: set[str] = set()
+        self._attempted: set[str] = set()     # checks that ran at all, skipped included
         self._judged: set[str] = set()
         self._inventory: tuple[float, Inventory] | None = None
         self._known_gpus: dict[str, GpuRef] = {}   # every GPU seen: one lost from NVML keeps its row
+        self._serials: dict[str, str] = {}         # gpu_key -> serial, for histories kept by serial
+        self._incidents: dict[str, int] = {}       # gpu_key -> incidents, from the node check
         self._lock = threading.Lock()          # the schedule
         self._judging = threading.Lock()       # what runs concluded: held problems, sinks
         self.warnings: list[str] = []
@@ -123,6 +130,8 @@ class NodeAgent:
             self._inventory = (time.monotonic(), result.inventory)
             for gpu in result.inventory.gpus:
                 self._known_gpus[gpu_key(gpu.ref())] = gpu.ref()
+                if gpu.identity.serial:
+                    self._serials[gpu_key(gpu.ref())] = gpu.identity.serial
         now, boot = self.clock(), self.host.current_boot()
         changed = self.active.expire(now, boot) | self._take_clear_request()
         problems: list[Problem] = []
@@ -130,10 +139,13 @@ class NodeAgent:
             found = self.engine.evaluate(_observations(run))
             problems.extend(found)
             changed |= self.active.update(run.name, run.status == "ok", found, now, boot)
+            self._attempted.add(run.name)
             if run.status == "skipped":       # it did not look, so what it judges is not judged yet
                 self._retry_soon(run)
             else:
                 self._ran.add(run.name)
+        if self.node_checks and self._attempted >= {c.name for c in self.checks}:
+            changed |= self._judge_node(result, problems, now, boot)
         newly_judged = self._judge()
         if changed:
             self._save()
@@ -151,8 +163,29 @@ class NodeAgent:
         return problems
 
     def gpu_health(self) -> list[GpuHealth]:
-        """Each GPU's state from the problems held now (conditions, not one-off events)."""
-        return gpu_health(self._known_gpus.values(), (l.problem for l in self.active.latches.values()))
+        """Each GPU's state from the problems held now (conditions, not one-off events), and its incidents."""
+        health = gpu_health(self._known_gpus.values(), (l.problem for l in self.active.latches.values()))
+        return [replace(h, incidents=self._incidents.get(gpu_key(h.gpu), 0)) for h in health]
+
+    def _judge_node(self, result: SweepResult, problems: list[Problem], now: float, boot: str) -> bool:
+        """The node checks, once every scheduled check has run: they judge what the others' rules held and
+        found. Their runs join the sweep's (metrics), their problems the sweep's; True when held ones changed."""
+        names = {c.name for c in self.node_checks}
+        view = NodeView(self.host.node_name, boot, now, self.gpu_health(),
+                        held=[l.problem for k, l in self.active.latches.items() if k[1] not in names],
+                        found=[p for p in problems if p.check not in names], serials=dict(self._serials),
+                        node_scoped=self._node_scoped, state_dir=self.settings.state_dir)
+        changed = False
+        for run in judge_node(self.node_checks, view):
+            if run.result is not None:
+                self._incidents = dict(run.result.get("incidents", {}))
+            result.runs.append(run)
+            found = self.engine.evaluate(_observations(run))
+            problems.extend(found)
+            changed |= self.active.update(run.name, run.status == "ok", found, now, boot)
+            self._attempted.add(run.name)
+            self._ran.add(run.name)
+        return changed
 
     def _retry_soon(self, run: CheckRun) -> None:
         if run.retry_after_s is None:

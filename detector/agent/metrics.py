@@ -51,6 +51,11 @@ class AgentMetrics(AgentSink):
                                "action for that GPU (NONE when healthy)",
                                ["gpu", "uuid", "pci_bus_id", "state", "action"], registry=r)
         self._gpu_series: dict[str, tuple[str, ...]] = {}
+        self.gpu_incidents = Gauge("gpu_npd_gpu_incidents", "Each GPU's incidents (critical reset-, reboot- or "
+                                   "replace-class problems) within the node check's flaky_window, from the history "
+                                   "kept across reboots; GpuFlaky when they span flaky_boots boots",
+                                   ["gpu", "uuid", "pci_bus_id"], registry=r)
+        self._incident_series: dict[str, tuple[str, ...]] = {}
         self.gpu_info = Gauge("gpu_npd_gpu_info", "1 for each GPU NVML sees, labelled with what an RMA ticket asks "
                               "for: its UUID, serial number, board part number and VBIOS version",
                               ["gpu", "uuid", "pci_bus_id", "name", "serial", "board_part_number", "vbios_version"],
@@ -133,6 +138,11 @@ class AgentMetrics(AgentSink):
                 self.gpu_state.remove(*before)
             self.gpu_state.labels(*labels).set(STATE_VALUE[h.state])
             self._gpu_series[key] = labels
+            before = self._incident_series.get(key)
+            if before is not None and before != labels[:3]:
+                self.gpu_incidents.remove(*before)
+            self.gpu_incidents.labels(*labels[:3]).set(h.incidents)
+            self._incident_series[key] = labels[:3]
 
     def _nccl(self, probe: dict, when: float) -> None:
         """The probe's gauges exist from its first run on: a node where it is off (the default) exports

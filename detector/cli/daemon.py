@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from detector.cli.history import add_history_parser
 from detector.agent.agent import CLEAR_RESULT_FILE, PROBLEMS_FILE, AgentSettings, write_clear_request
 from detector.cli.signals import on_stop_signals
 from detector.daemon.logs import setup_logging
@@ -99,6 +100,8 @@ def add_daemon_parsers(sub: Any) -> None:
     c.add_argument("--state-dir", type=Path, default=Path(_env("GPU_NPD_STATE_DIR", DEFAULT_STATE_DIR)),
                    help=f"the daemon's --state-dir (default: {DEFAULT_STATE_DIR})")
     c.set_defaults(func=cmd_clear)
+
+    add_history_parser(sub, Path(_env("GPU_NPD_STATE_DIR", DEFAULT_STATE_DIR)))
 
     # Listed here for `gpu-npd --help`; main() hands `gpu-npd emulator ...` to the emulator's own parser.
     sub.add_parser("emulator", help="run the bundled Kubernetes API emulator (tests and demos); see "

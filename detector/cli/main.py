@@ -21,8 +21,7 @@ from detector.cli.render import Diagnosis, render_table
 from detector.cli.signals import Interrupted, on_stop_signals, restore
 from detector.config import build_checks, load_check_settings
 from detector.core.check import CheckRegistry
-from detector.core.sweep import run_sweep
-from detector.rules.engine import RuleEngine
+from detector.agent.oneshot import diagnose_once
 from detector.rules.loader import RuleErrors, RuleSet, load_rules
 from detector.yamlsource import SourceError
 
@@ -226,11 +225,11 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
     if not args.quiet:
         print(f"gpu-npd: {describe_rules(ruleset)}", file=sys.stderr, flush=True)
     try:
-        sweep = run_sweep(host, checks, inventory_timeout_s=args.inventory_timeout,
-                          progress=None if args.quiet else _show_progress)
+        sweep, problems = diagnose_once(host, checks, ruleset, args.inventory_timeout,
+                                        progress=None if args.quiet else _show_progress)
     finally:
         host.close()
-    diagnosis = Diagnosis(args.nvml, sweep, RuleEngine(ruleset).evaluate(sweep.observations), rule_sources(ruleset))
+    diagnosis = Diagnosis(args.nvml, sweep, problems, rule_sources(ruleset))
     if args.output == "json":
         print(json.dumps(diagnosis.to_dict(), indent=2))
     else:

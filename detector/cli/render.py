@@ -110,8 +110,8 @@ def unseen_gpus(d: Diagnosis) -> dict[str, GpuRef]:
 
 def _health_dict(h: GpuHealth | None) -> dict[str, Any]:
     if h is None:
-        return {"state": "healthy", "action": "NONE", "reasons": []}
-    return {"state": h.state, "action": h.action, "reasons": list(h.reasons)}
+        return {"state": "healthy", "action": "NONE", "reasons": [], "incidents": 0}
+    return {"state": h.state, "action": h.action, "reasons": list(h.reasons), "incidents": h.incidents}
 
 
 def _health_cell(h: GpuHealth | None) -> str:

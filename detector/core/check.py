@@ -90,12 +90,14 @@ class Check(ABC):
     enabled_by_default: ClassVar[bool] = True
     # True: runs for minutes; the daemon gives it a thread of its own so it never delays the others.
     long_running: ClassVar[bool] = False
+    # False: not run on a timer but after every sweep (node checks): no interval or timeout to set.
+    scheduled: ClassVar[bool] = True
 
     def __init__(self, config: Mapping[str, Any] | None = None, clock: Callable[[], float] = time.monotonic):
         """`clock`: what checks that judge over time (rates, windows, grace periods) read; tests move it."""
         self._clock = clock
         config = dict(config or {})
-        unknown = set(config) - set(self.config_fields) - set(SCHEDULE_FIELDS)
+        unknown = set(config) - set(self.config_fields) - set(self.schedule_fields())
         if unknown:
             known = ", ".join(sorted(self.config_fields)) or "none besides interval and timeout"
             raise ValueError(f"check {self.name!r}: unknown setting(s) {', '.join(sorted(unknown))} "
@@ -108,6 +110,11 @@ class Check(ABC):
     @abstractmethod
     def run(self, ctx: "SweepContext") -> CheckOutput:
         """Look, and return what was seen. May raise; may block (the sweep abandons it at its timeout)."""
+
+    @classmethod
+    def schedule_fields(cls) -> dict[str, str]:
+        """The schedule settings it takes: interval, timeout and enabled, or only enabled when unscheduled."""
+        return dict(SCHEDULE_FIELDS) if cls.scheduled else {"enabled": SCHEDULE_FIELDS["enabled"]}
 
     @classmethod
     def all_fields(cls) -> set[str]:

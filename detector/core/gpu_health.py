@@ -24,6 +24,7 @@ class GpuHealth:
     state: str                       # healthy, degraded or failed
     action: str                      # the recommended action for this GPU now; NONE when healthy
     reasons: tuple[str, ...] = ()    # the reasons of the problems naming it, most urgent first
+    incidents: int = 0               # its incidents in the node check's flaky window (where it keeps history)
 
 
 def gpu_key(ref: GpuRef) -> str:

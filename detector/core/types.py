@@ -49,12 +49,13 @@ ACTIONS: dict[str, str] = {
     "CHECK_NETWORK": "check the InfiniBand/RoCE port (cable, transceiver, switch port: ibstat, the switch's "
                      "counters); NCCL traffic over it is slow or failing",
     "CONTACT_SUPPORT": "drain the node and open a hardware case with the vendor",
+    "REPLACE_GPU": "stop scheduling on the GPU and replace it: open an RMA with the vendor, quoting its serial",
 }
 
 
 # How much an action asks of an operator, most first: when problems share a condition, the one demanding
 # the most leads its reason and message (then the more severe, then the more recent).
-ACTION_ORDER = ("CONTACT_SUPPORT", "RESTART_BM", "CHECK_MECHANICALS", "RESTART_VM", "DRAIN_AND_RESET",
+ACTION_ORDER = ("REPLACE_GPU", "CONTACT_SUPPORT", "RESTART_BM", "CHECK_MECHANICALS", "RESTART_VM", "DRAIN_AND_RESET",
                 "RESET_GPU", "CHECK_NVLINK", "CHECK_PCIE", "CHECK_NETWORK", "CHECK_COOLING", "DRAIN_P2P", "UPDATE_SWFW", "CHECK_DRIVER",
                 "CHECK_UVM", "RESTART_APP", "INSPECT", "IGNORE", "NONE")
 

@@ -15,12 +15,18 @@ Format (version 1):
         report: condition                  # condition (default) | event
         recovery: observation              # conditions: how they clear (below)
         ttl: 24h                           # optional: also clear this long after the last match
+        scope: gpu                         # gpu (default) | node: see below
         description: optional free text
 
 A condition clears by its rule's `recovery`:
     observation   the first run of its check in which the rule no longer matches (the default)
     reboot        the node boots again, or an operator clears it (`gpu-npd clear`)
     manual        only an operator clears it; it survives reboots
+A problem's `scope` says what it asks remediation for. `gpu` (the default): the GPUs it names, which
+are fenced one by one (per-GPU health, DRA device taints); it asks for the node only when enough GPUs
+fail (the node check's rules). `node`: the whole node, even when it names one GPU (a fatal NVSwitch
+error stops every GPU's NVLink traffic). A problem that names no GPU is the node's either way.
+
 A top-level `defaults:` mapping may set `recovery` and `ttl` for every rule of the file.
 """
 
@@ -41,9 +47,10 @@ KUBELET_CONDITIONS = {"Ready", "MemoryPressure", "DiskPressure", "PIDPressure", 
 _NAME = re.compile(r"^[a-z0-9][a-z0-9-]*$")
 _CAMEL = re.compile(r"^[A-Z][A-Za-z0-9]*$")
 _RULE_FIELDS = {"name", "check", "when", "type", "reason", "severity", "action", "report", "message",
-                "description", "fallback", "action_field", "count", "window", "boots", "recovery", "ttl"}
+                "description", "fallback", "action_field", "count", "window", "boots", "recovery", "ttl", "scope"}
 _DEFAULTABLE = {"recovery", "ttl"}
 RECOVERIES = {"observation", "reboot", "manual"}
+SCOPES = {"gpu", "node"}
 _DURATION = re.compile(r"^(\d+(?:\.\d+)?)\s*(s|m|h|d)$")
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 ESCALATION_FIELDS = {"matches": "matches added up in the window", "boots_seen": "distinct boots seen"}
@@ -209,7 +216,7 @@ def _rule(r: MappingReader, known_fields: Mapping[str, set[str]] | None, default
         report=report, message=r.get("message", str),
         description=r.get("description", str, ""), file=r.file, line=line_of(r.data, "name") or 0, path=r.path,
         fallback=r.get("fallback", bool, False), action_field=action_field, count=count, window_s=window_s,
-        boots=boots, recovery=recovery, ttl_s=ttl_s,
+        boots=boots, recovery=recovery, ttl_s=ttl_s, scope=r.choice("scope", SCOPES, "gpu"),
     )
 
 

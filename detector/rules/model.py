@@ -54,6 +54,7 @@ class Rule:
     boots: int | None = None            # fire when one GPU's matches span this many boots
     recovery: str = "observation"       # conditions: observation | reboot | manual
     ttl_s: float | None = None          # conditions: also clear this long after the last match
+    scope: str = "gpu"                  # gpu: fences the GPUs it names; node: asks for the whole node
 
     @property
     def escalates(self) -> bool:

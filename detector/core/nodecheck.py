@@ -1,0 +1,86 @@
+"""Checks that judge the node as a whole, from what the other checks' rules concluded.
+
+Some questions are not about one reading but about the node's state: do enough GPUs fail that the node
+needs a reboot, or does one GPU get fenced? Is automation rebooting this node again and again for the
+same problem? Does one GPU keep failing across boots? A NodeCheck answers them after every sweep's rules
+ran, from a NodeView. It is registered, configured, documented and ruled like any check, but the node
+agent calls `judge` instead of scheduling `run`.
+"""
+
+from __future__ import annotations
+
+import time
+from abc import abstractmethod
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Mapping, Sequence
+
+from detector.core.check import Check, CheckOutput, CheckSkipped
+from detector.core.gpu_health import GpuHealth, gpu_health, gpu_key
+from detector.core.sweep import CheckRun, SweepResult
+from detector.core.types import Problem
+
+if TYPE_CHECKING:
+    from detector.core.sweep import SweepContext
+
+
+@dataclass(frozen=True)
+class NodeView:
+    """The node after one sweep's rules ran. Nothing of Kubernetes: the same view serves the daemon,
+    the fleet simulator and `diagnose`."""
+
+    node: str
+    boot: str                                   # this boot, as the kernel names it
+    now: float
+    health: list[GpuHealth]                     # every GPU the node has had, judged by the held problems
+    held: list[Problem]                         # condition problems held now (other checks' only)
+    found: list[Problem]                        # what this sweep's rules found, events included
+    serials: Mapping[str, str] = field(default_factory=dict)   # gpu_key -> serial, where NVML told it
+    node_scoped: frozenset[str] = frozenset()   # rules whose problems ask for the node even when they name a GPU
+    state_dir: Path | None = None               # where state that must outlive reboots is kept; None: memory
+
+
+class NodeCheck(Check):
+    """A check over the node's judged state (see the module docstring). Its observations go through the
+    rules like any check's; `run` is never scheduled."""
+
+    scheduled = False                           # judged after every sweep, never on a timer
+    needs_fresh_inventory = False
+
+    @abstractmethod
+    def judge(self, view: NodeView) -> CheckOutput:
+        """What the node's state means, as observations for the rules."""
+
+    def run(self, ctx: "SweepContext") -> CheckOutput:
+        raise CheckSkipped(f"the {self.name} check judges the node after the other checks, not on its own")
+
+
+def sweep_view(sweep: SweepResult, problems: Sequence[Problem], node_scoped: frozenset[str],
+               boot: str = "current") -> NodeView:
+    """The view of one sweep on its own (`diagnose`): its condition problems count as held, and there is
+    no history beyond this process."""
+    held = [p for p in problems if p.report == "condition"]
+    refs = [g.ref() for g in sweep.inventory.gpus]
+    serials = {gpu_key(g.ref()): g.identity.serial for g in sweep.inventory.gpus if g.identity.serial}
+    return NodeView(sweep.node, boot, time.time(), gpu_health(refs, held), held, list(problems), serials,
+                    node_scoped)
+
+
+def judge_node(checks: Sequence[NodeCheck], view: NodeView) -> list[CheckRun]:
+    """Each node check's judgement as a run, like a swept check's: a broken one is an error run."""
+    runs = []
+    for check in checks:
+        t0 = time.monotonic()
+        try:
+            output = check.judge(view)
+        except Exception as e:  # noqa: BLE001 - a broken check is reported, never fatal
+            runs.append(CheckRun(check.name, "error", _ms(t0), f"{type(e).__name__}: {e}"))
+            continue
+        runs.append(CheckRun(check.name, "error" if output.error else "ok", _ms(t0), output.error,
+                             result=output.result, observations=list(output.observations),
+                             summary=output.summary, gauges=check.gauges))
+    return runs
+
+
+def _ms(t0: float) -> float:
+    return (time.monotonic() - t0) * 1000

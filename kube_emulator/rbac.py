@@ -184,7 +184,7 @@ def packaged_deploy_dir() -> Path:
 
 
 def deploy_rbac(part: str = "base", deploy_dir: Path | None = None) -> Path:
-    """The RBAC directory `deploy/<part>` (`base` or `kwok`): under `deploy_dir` (a checkout's deploy/)
+    """The RBAC directory `deploy/<part>` (`base`, `kwok` or `overlays/dra-taints`): under `deploy_dir` (a checkout's deploy/)
     when given, else the packaged copy."""
     return Path(deploy_dir if deploy_dir is not None else packaged_deploy_dir()) / part
 

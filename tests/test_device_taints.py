@@ -11,7 +11,7 @@ import pytest
 
 from conftest import REPO, node_for
 from detector.core.domain import key
-from detector.daemon.local import REPO_DEPLOY, LocalDaemon, local_daemon
+from detector.daemon.local import REPO_DEPLOY, LocalDaemon, local_daemon, publish_gpu_slice
 from detector.daemon.run import DaemonSettings
 from detector.kube.device_taints import (
     MANAGED_BY,
@@ -37,24 +37,6 @@ def settings(**dra: object) -> DaemonSettings:
     s.dra_taints = DeviceTaintSettings(**{"backoff_base_s": 0.01, "backoff_cap_s": 0.5, "start_grace_s": 0.0,
                                           "qps": 50.0, "burst": 100, **dra})  # type: ignore[arg-type]
     return s
-
-
-def publish_slice(emulator: Emulator, node: FakeNode, bus_id_only: frozenset[int] = frozenset()) -> dict:
-    """What the NVIDIA DRA driver publishes: one pool named after the node, devices gpu-<minor> with the
-    GPU's uuid and PCI bus id (GPUs in `bus_id_only` without a uuid: matched by bus id)."""
-    devices = []
-    for gpu in node.snapshot().gpus:
-        attributes = {"resource.kubernetes.io/pciBusID": {"string": gpu.pci_bus_id},
-                      "productName": {"string": gpu.model.name}, "index": {"int": gpu.index}}
-        if gpu.index not in bus_id_only:
-            attributes["uuid"] = {"string": gpu.uuid}
-        device = {"name": f"gpu-{gpu.minor}", "attributes": attributes}
-        devices.append(device if emulator.dra_version != "v1alpha3" else {"name": device["name"], "basic": {
-            "attributes": attributes}})
-    return emulator.create_resource_slice({
-        "metadata": {"name": f"{node.name}-gpu.nvidia.com-abcde"},
-        "spec": {"driver": "gpu.nvidia.com", "nodeName": node.name,
-                 "pool": {"name": node.name, "generation": 1, "resourceSliceCount": 1}, "devices": devices}})
 
 
 def rules(emulator: Emulator) -> dict[str, dict]:
@@ -89,7 +71,7 @@ def healthy(local: LocalDaemon) -> bool:
 
 def test_failed_gpu_noexecute_degraded_noschedule_recovery_deletes(emulator, start):
     node = node_for("h100-sxm-8", NODE)
-    publish_slice(emulator, node)
+    publish_gpu_slice(emulator, node)
     local = start(emulator, node)
     assert local.wait_for(lambda: local.conditions().get("GpuXidError", {}).get("status") == "False")
     assert rules(emulator) == {}
@@ -123,7 +105,7 @@ def test_failed_gpu_noexecute_degraded_noschedule_recovery_deletes(emulator, sta
 
 def test_effects_are_configurable_and_none_means_no_taint(emulator, start):
     node = node_for("h100-sxm-8", NODE)
-    publish_slice(emulator, node, bus_id_only=frozenset({2}))          # GPU 2 is found by its PCI bus id
+    publish_gpu_slice(emulator, node, bus_id_only=frozenset({2}))          # GPU 2 is found by its PCI bus id
     local = start(emulator, node, settings=settings(failed_effect="NoSchedule", degraded_effect=None))
     local.node.inject(Fault("pcie", gpu=1, params={"width": 8}))
     local.node.inject(Fault("xid", gpu=2, params={"code": 79}))
@@ -137,7 +119,7 @@ def test_effects_are_configurable_and_none_means_no_taint(emulator, start):
 
 def test_restart_neither_duplicates_nor_orphans(emulator, start, tmp_path):
     node = node_for("h100-sxm-8", NODE)
-    publish_slice(emulator, node)
+    publish_gpu_slice(emulator, node)
     state = tmp_path / "state"
     first = start(emulator, node, state_dir=state)
     first.node.inject(Fault("xid", gpu=2, params={"code": 79}))
@@ -186,7 +168,7 @@ def test_base_rbac_only_one_error_and_conditions_still_reported(start, caplog):
     caplog.set_level(logging.INFO)
     with Emulator(rbac_paths=(REPO_DEPLOY,)) as emulator:
         node = node_for("h100-sxm-8", NODE)
-        publish_slice(emulator, node)
+        publish_gpu_slice(emulator, node)
         local = start(emulator, node, settings=settings(refused_retry_s=0.2))
         local.node.inject(Fault("xid", gpu=3, params={"code": 79}))
         assert local.wait_for(lambda: local.conditions().get("GpuXidError", {}).get("status") == "True")
@@ -203,7 +185,7 @@ def test_base_rbac_only_one_error_and_conditions_still_reported(start, caplog):
 def test_version_discovery_picks_v1beta2(start):
     with Emulator(rbac_paths=(REPO_DEPLOY, DRA_RBAC), dra_version="v1beta2") as emulator:
         node = node_for("h100-sxm-8", NODE)
-        publish_slice(emulator, node)
+        publish_gpu_slice(emulator, node)
         local = start(emulator, node)
         local.node.inject(Fault("xid", gpu=0, params={"code": 79}))
         name = rule_name(NODE, "gpu-0")

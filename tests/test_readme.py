@@ -510,7 +510,7 @@ def test_readme_block_runs(block: Block, tmp_path: Path):
 
 # --- The emulator's RBAC: packaged, identical to deploy/'s, found from any directory -----------------
 
-PACKAGED_RBAC = ("base/rbac.yaml", "kwok/rbac.yaml")
+PACKAGED_RBAC = ("base/rbac.yaml", "kwok/rbac.yaml", "overlays/dra-taints/rbac.yaml")
 
 
 def test_packaged_rbac_is_deploys():

@@ -172,7 +172,9 @@ class NodeAgent:
         found. Their runs join the sweep's (metrics), their problems the sweep's; True when held ones changed."""
         names = {c.name for c in self.node_checks}
         view = NodeView(self.host.node_name, boot, now, self.gpu_health(),
-                        held=[l.problem for k, l in self.active.latches.items() if k[1] not in names],
+                        held=[l.problem for k, l in self.active.latches.items()     # seen in this boot: one
+                              if k[1] not in names and l.boot == boot],             # from before a reboot is
+                                                                                    # not this boot's until seen again
                         found=[p for p in problems if p.check not in names], serials=dict(self._serials),
                         node_scoped=self._node_scoped, state_dir=self.settings.state_dir)
         changed = False

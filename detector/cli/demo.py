@@ -1,7 +1,14 @@
 """`gpu-npd demo`: the daemon on a fake 8x H100 node against an in-process Kubernetes API emulator.
 
-GPU 3 gets XID 79 (fallen off the bus) after a few seconds; the node is then rebooted. The node's
-conditions and events are printed as the API server sees them change; the demo exits by itself.
+1. GPU 3 gets XID 79 (fallen off the bus) after a few seconds: that GPU is fenced with a DRA device taint
+   (the emulator plays the NVIDIA DRA driver's ResourceSlice) and the node is not asked to reboot
+   (GpuNodeNeedsRemediation stays False: 1 of 8 GPUs failed). The node is then rebooted, and all clears.
+2. A remediation loop: GPU 3 falls off the bus again after that reboot, GPU 5 with it, so the node asks
+   for remediation; a remediator reboots it and the same problem comes back, twice more. After the third
+   reboot GpuRemediationLoop turns True and gpu-npd stops asking; GPU 3, failing boot after boot, is
+   GpuFlaky.
+The node's conditions, events and device taints are printed as the API server sees them change; the demo
+exits by itself.
 """
 
 from __future__ import annotations
@@ -12,6 +19,8 @@ import time
 from typing import Any
 
 from detector.daemon.run import DaemonSettings
+from detector.kube.conditions import MARKER
+from detector.kube.device_taints import DeviceTaintSettings
 from fake_nvml.faults import Fault
 
 NODE = "demo-node"
@@ -33,6 +42,7 @@ class Watcher:
         self.local = local
         self.seen_conditions: dict[str, tuple[str, str, str]] = {}
         self.seen_events: dict[str, int] = {}
+        self.seen_taints: dict[str, str] = {}
         self.t0 = time.monotonic()
 
     def say(self, text: str) -> None:
@@ -49,6 +59,13 @@ class Watcher:
             if self.seen_events.get(name) != count:
                 self.seen_events[name] = count
                 self.say(f"event {e.get('type')} {e.get('reason')} (count {count}): {e.get('message')}")
+        taints = {r["metadata"]["name"]: _taint_text(r) for r in self.local.emulator.device_taint_rules()}
+        for name in sorted(set(taints) | set(self.seen_taints)):
+            if name not in taints:
+                self.say(f"DeviceTaintRule {name} deleted")
+            elif self.seen_taints.get(name) != taints[name]:
+                self.say(f"DeviceTaintRule {name}: {taints[name]}")
+        self.seen_taints = taints
 
     def until(self, predicate: Any, timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s
@@ -62,18 +79,26 @@ class Watcher:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from detector.daemon.local import local_daemon
+    from detector.daemon.local import DRA_TAINTS_RBAC, REPO_DEPLOY, local_daemon, publish_gpu_slice
+    from fake_nvml.scenario import load_scenario
+    from kube_emulator import Emulator
 
     logging.getLogger("gpu_npd").setLevel(logging.ERROR)
     settings = DaemonSettings(listen="127.0.0.1:0")
     settings.agent.start_spread_s = 0.5
-    local = local_daemon(args.scenario, NODE, settings=settings,
+    settings.dra_taints = DeviceTaintSettings(start_grace_s=0.0)
+    emulator = Emulator(rbac_paths=(REPO_DEPLOY, DRA_TAINTS_RBAC))
+    emulator.start()
+    node = load_scenario(args.scenario).build(NODE)
+    local = local_daemon(args.scenario, NODE, settings=settings, emulator=emulator, node=node,
                          check_settings={"visibility": {"interval": 2}, "pcie": {"interval": 10}})
+    publish_gpu_slice(emulator, node)
     w = Watcher(local)
     ok = True
     try:
-        w.say(f"Kubernetes API emulator at {local.emulator.url}; node {NODE}: fake {args.scenario}")
-        w.say(f"starting gpu-npd run (metrics on http://{local.daemon.endpoints.address}/metrics)")
+        w.say(f"Kubernetes API emulator at {emulator.url}; node {NODE}: fake {args.scenario}, and the NVIDIA "
+              "DRA driver's ResourceSlice for its GPUs")
+        w.say(f"starting gpu-npd run --dra-taints (metrics on http://{local.daemon.endpoints.address}/metrics)")
         local.start()
 
         def has(type_: str, status: str) -> Any:
@@ -82,18 +107,48 @@ def cmd_demo(args: argparse.Namespace) -> int:
         ok &= w.until(has("GpuXidError", "False"), args.timeout)
         w.until(lambda: False, max(0.0, args.fault_after - (time.monotonic() - w.t0)))
         w.say(">>> injecting XID 79 on GPU 3 (kernel log line and NVML event)")
-        local.node.inject(Fault("xid", gpu=3, params={"code": 79}))
+        node.inject(Fault("xid", gpu=3, params={"code": 79}))
         injected = time.monotonic()
-        ok &= w.until(lambda: has("GpuXidError", "True")() and has("GpuMissing", "True")(), args.timeout)
-        w.say(f"    both conditions visible {time.monotonic() - injected:.2f}s after the injection")
+        ok &= w.until(lambda: has("GpuXidError", "True")() and has("GpuMissing", "True")()
+                      and len(emulator.device_taint_rules()) == 1, args.timeout)
+        w.say(f"    both conditions and one device taint visible {time.monotonic() - injected:.2f}s after the "
+              "injection; GpuNodeNeedsRemediation="
+              f"{local.conditions().get('GpuNodeNeedsRemediation', {}).get('status')}: one GPU is fenced, the "
+              "node is not asked to reboot")
+        ok &= has("GpuNodeNeedsRemediation", "False")()
         w.say(">>> rebooting the node (XID conditions hold until a reboot)")
-        local.node.inject(Fault("reboot"))
-        ok &= w.until(lambda: has("GpuXidError", "False")() and has("GpuMissing", "False")(), args.timeout)
+        node.inject(Fault("reboot"))
+        ok &= w.until(lambda: has("GpuXidError", "False")() and has("GpuMissing", "False")()
+                      and not emulator.device_taint_rules(), args.timeout)
+
+        w.say(">>> a remediation loop: GPU 3 falls off the bus again after that reboot, and GPU 5 with it; two "
+              "failed GPUs ask for the node; a remediator reboots it and they come back, twice more")
+        for attempt in range(2, 4):
+            node.inject(Fault("xid", gpu=3, params={"code": 79}))
+            node.inject(Fault("xid", gpu=5, params={"code": 79}))
+            ok &= w.until(has("GpuNodeNeedsRemediation", "True"), args.timeout)
+            w.say(f">>> remediator: reboot {attempt} of the node (GpuNodeNeedsRemediation=True)")
+            node.inject(Fault("reboot"))
+            ok &= w.until(lambda: has("GpuXidError", "False")() and has("GpuMissing", "False")(), args.timeout)
+        node.inject(Fault("xid", gpu=3, params={"code": 79}))
+        node.inject(Fault("xid", gpu=5, params={"code": 79}))
+        ok &= w.until(lambda: has("GpuRemediationLoop", "True")() and has("GpuNodeNeedsRemediation", "False")(),
+                      args.timeout)
+        w.say("    GpuRemediationLoop=True and GpuNodeNeedsRemediation=False: remediators stop, a person looks")
         w.say("kubelet's own conditions, never touched by gpu-npd: " + ", ".join(
-            f"{t}={c['status']}" for t, c in sorted(local.conditions().items()) if not t.startswith("Gpu")))
-        stats = local.emulator.stats()
+            f"{t}={c['status']}" for t, c in sorted(local.conditions().items())
+            if not c.get("message", "").startswith(MARKER)))
+        stats = emulator.stats()
         w.say(f"API requests: {stats['total']} in all")
     finally:
         local.stop()
+        emulator.stop()
     w.say("demo finished" + ("" if ok else " (an expected change did not happen in time)"))
     return 0 if ok else 1
+
+
+def _taint_text(rule: dict) -> str:
+    spec = rule.get("spec", {})
+    taint, selector = spec.get("taint", {}), spec.get("deviceSelector", {})
+    return (f"{taint.get('key')}={taint.get('value')}:{taint.get('effect')} on {selector.get('driver')} "
+            f"{selector.get('pool')}/{selector.get('device')}")

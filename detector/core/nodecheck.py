@@ -33,7 +33,7 @@ class NodeView:
     boot: str                                   # this boot, as the kernel names it
     now: float
     health: list[GpuHealth]                     # every GPU the node has had, judged by the held problems
-    held: list[Problem]                         # condition problems held now (other checks' only)
+    held: list[Problem]                         # condition problems held now and seen in this boot (other checks')
     found: list[Problem]                        # what this sweep's rules found, events included
     serials: Mapping[str, str] = field(default_factory=dict)   # gpu_key -> serial, where NVML told it
     node_scoped: frozenset[str] = frozenset()   # rules whose problems ask for the node even when they name a GPU

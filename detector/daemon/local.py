@@ -27,8 +27,11 @@ from kube_emulator.rbac import deploy_rbac
 
 SERVICE_ACCOUNT = "system:serviceaccount:gpu-npd:gpu-npd"
 # deploy/base's RBAC as packaged with gpu-npd (kube_emulator/deploy/base/rbac.yaml, identical to the
-# repository's), so this works from any directory and installed; its parent holds kwok/ the same way.
+# repository's), so this works from any directory and installed; its parent holds kwok/ and
+# overlays/dra-taints/ the same way.
 REPO_DEPLOY = deploy_rbac("base")
+DRA_TAINTS_RBAC = deploy_rbac("overlays/dra-taints")
+NVIDIA_DRA_DRIVER = "gpu.nvidia.com"
 
 
 @dataclass
@@ -101,6 +104,24 @@ def local_daemon(scenario: str = "h100-sxm-8", node_name: str = "gpu-node-1", *,
     api = KubeApi.from_kubeconfig(str(kubeconfig), qps=50.0, burst=100)
     daemon = Daemon(host, build_checks(registry, checks, check_settings or {}), ruleset, api, settings)
     return LocalDaemon(emulator, node, daemon, workdir, _owns_emulator=owns)
+
+
+def publish_gpu_slice(emulator: Emulator, node: FakeNode, bus_id_only: frozenset[int] = frozenset()) -> dict:
+    """What the NVIDIA DRA driver publishes for a node: one ResourceSlice, one pool named after the node,
+    devices gpu-<minor> with the GPU's uuid and PCI bus id (GPUs in `bus_id_only` without a uuid)."""
+    devices = []
+    for gpu in node.snapshot().gpus:
+        attributes = {"resource.kubernetes.io/pciBusID": {"string": gpu.pci_bus_id},
+                      "productName": {"string": gpu.model.name}, "index": {"int": gpu.index}}
+        if gpu.index not in bus_id_only:
+            attributes["uuid"] = {"string": gpu.uuid}
+        device = {"name": f"gpu-{gpu.minor}", "attributes": attributes}
+        devices.append(device if emulator.dra_version != "v1alpha3" else {"name": device["name"], "basic": {
+            "attributes": attributes}})
+    return emulator.create_resource_slice({
+        "metadata": {"name": f"{node.name}-{NVIDIA_DRA_DRIVER}-abcde"},
+        "spec": {"driver": NVIDIA_DRA_DRIVER, "nodeName": node.name,
+                 "pool": {"name": node.name, "generation": 1, "resourceSliceCount": 1}, "devices": devices}})
 
 
 def _has_node(emulator: Emulator, name: str) -> bool:

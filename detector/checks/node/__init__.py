@@ -182,7 +182,7 @@ def _named(h: GpuHealth) -> str:
 
 
 def _when(t: float) -> str:
-    return time.strftime("%Y-%m-%dT%H:%MZ", time.gmtime(t))
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t))
 
 
 def span(seconds: float) -> str:

@@ -1,0 +1,25 @@
+"""`gpu-npd demo` (what `make demo` runs) tells the story it promises: one failed GPU of eight is fenced by a
+device taint without asking for a reboot, and a problem that comes back after each of three reboots turns
+into GpuRemediationLoop, which stops the node asking for remediation."""
+
+from __future__ import annotations
+
+from detector.cli.main import main
+
+
+def test_demo_fences_one_gpu_and_ends_a_remediation_loop(capsys):
+    assert main(["demo", "--fault-after", "0.5", "--timeout", "30"]) == 0
+    out = capsys.readouterr().out
+    fenced = next(line for line in out.splitlines() if "one device taint visible" in line)
+    assert "GpuNodeNeedsRemediation=False" in fenced
+    assert "DeviceTaintRule gpu-npd-demo-node-gpu-3: gpu-npd.io/gpu-unhealthy=failed:NoExecute on gpu.nvidia.com " \
+           "demo-node/gpu-3" in out
+    assert "DeviceTaintRule gpu-npd-demo-node-gpu-3 deleted" in out
+    assert "condition GpuNodeNeedsRemediation=True reason=GpusFailed" in out
+    assert out.count(">>> remediator: reboot") == 2
+    assert "condition GpuRemediationLoop=True reason=RemediationLoop" in out
+    assert "came back after each of 3 reboots within 24h" in out
+    assert "condition GpuFlaky=True reason=FlakyGpu" in out
+    assert "kubelet's own conditions, never touched by gpu-npd: DiskPressure=False, MemoryPressure=False, " \
+           "PIDPressure=False, Ready=True" in out
+    assert out.rstrip().endswith("demo finished")

@@ -3,20 +3,25 @@
 The emulator runs in its own process; `gpu-npd simulate` runs as --shards processes, each playing its
 block of the fleet (`--shard K/N`), exactly as the KWOK StatefulSet does. Phases: register the nodes; a
 rolling start of every agent over --start-spread seconds; a steady period (--steady seconds, heartbeats
-only); then XID 79 on one GPU of --fault-fraction of the nodes at once, injected the KWOK way (the
-bench, as an admin, annotates each node with gpu-npd.io/inject-fault); then every annotation removed
-again (the simulator reboots those nodes). Prints what it measures as it goes; the last line is a JSON
-object:
+only); then XID 79 on --fault-gpus GPUs (default 1) of --fault-fraction of the nodes at once, injected
+the KWOK way (the bench, as an admin, annotates each node with gpu-npd.io/inject-fault); then every
+annotation removed again (the simulator reboots those nodes). One failed GPU is fenced (no node asks for
+remediation); two ask for it (GpuNodeNeedsRemediation), and the figures say what the NodeHealthCheck in
+deploy/remediation/ would do with that many unhealthy nodes at once. Prints what it measures as it goes;
+the last line is a JSON object:
 
   nodes, shards, rss_per_node_kib (the simulators' whole RSS over the nodes they play),
   cpu_ms_per_node_per_hour and requests_per_node_per_hour (steady state), peak_rps / p99_rps (during
   the start and during the fault), fault_visible_s (from the first annotation until every fault shows
   on the API server), heal_visible_s (from the first removal until every node is clear again),
-  lost_conditions, duplicate_conditions, unexpected_conditions, uncleared_conditions.
+  lost_conditions, duplicate_conditions, unexpected_conditions, uncleared_conditions,
+  remediation_asked (nodes with GpuNodeNeedsRemediation=True at the fault), nhc_max_unhealthy and
+  nhc_allowed_unhealthy (deploy/remediation's circuit breaker for this fleet), nhc_remediates.
 
     .venv/bin/python bench/fleet.py                                  # 7,500 nodes (about 12 minutes)
     .venv/bin/python bench/fleet.py --nodes 30000 --shards 4         # 4 simulators of 7,500
     .venv/bin/python bench/fleet.py --nodes 500 --start-spread 20 --steady 60    # a quick look
+    .venv/bin/python bench/fleet.py --fault-gpus 2                   # a correlated fault: the breaker
 """
 
 from __future__ import annotations
@@ -40,9 +45,11 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from detector.kube.api import KubeApi  # noqa: E402
+NHC = REPO / "deploy" / "remediation" / "nodehealthcheck.yaml"
 from detector.sim.annotations import INJECT_ANNOTATION, STATUS_ANNOTATION  # noqa: E402
 
 FAULT_TYPES = ("GpuXidError", "GpuMissing")
+REMEDIATION = "GpuNodeNeedsRemediation"        # asked for when 2 GPUs of a node failed (rules/node.yaml)
 STARTED = "nodes starting over"          # what `gpu-npd simulate` prints once its nodes are registered
 
 
@@ -54,6 +61,9 @@ def main() -> int:
     p.add_argument("--settle", type=float, default=30.0, help="seconds after the start before steady state")
     p.add_argument("--steady", type=float, default=330.0, help="steady-state window, seconds (>= one heartbeat)")
     p.add_argument("--fault-fraction", type=float, default=0.10)
+    p.add_argument("--fault-gpus", type=int, default=1, choices=range(1, 9), metavar="{1..8}",
+                   help="GPUs per broken node that fall off the bus (default 1: fenced; 2: the node asks for "
+                        "remediation)")
     p.add_argument("--qps", type=float, default=100.0, help="each simulator's API rate limit (its default)")
     p.add_argument("--burst", type=int, default=200)
     p.add_argument("--workers", type=int, default=8, help="scheduler threads per simulator")
@@ -215,14 +225,17 @@ def run(args: argparse.Namespace, url: str, admin_kubeconfig: Path, work: Path, 
 
     rng = random.Random(7)
     names = [f"sim-gpu-{i:05d}" for i in range(args.nodes)]
-    broken = {name: rng.randrange(8) for name in rng.sample(names, max(1, round(args.fault_fraction * args.nodes)))}
+    broken = {name: rng.sample(range(8), args.fault_gpus)
+              for name in rng.sample(names, max(1, round(args.fault_fraction * args.nodes)))}
+    fault_types = {*FAULT_TYPES, *([REMEDIATION] if args.fault_gpus >= 2 else [])}
     fault_time = time.time()
-    for name, gpu in broken.items():
-        admin.annotate(name, json.dumps({"kind": "xid", "gpu": gpu, "params": {"code": 79}}))
-    say(f"fault: XID 79 annotated on {len(broken)} nodes in {time.time() - fault_time:.1f}s")
+    for name, gpus in broken.items():
+        admin.annotate(name, json.dumps([{"kind": "xid", "gpu": gpu, "params": {"code": 79}} for gpu in gpus]))
+    say(f"fault: XID 79 on {args.fault_gpus} GPU(s) annotated on {len(broken)} nodes in "
+        f"{time.time() - fault_time:.1f}s")
 
     def all_showing(nodes: list[dict]) -> bool:
-        return all(set(FAULT_TYPES) <= true_types(n) for n in nodes if n["metadata"]["name"] in broken)
+        return all(fault_types <= true_types(n) for n in nodes if n["metadata"]["name"] in broken)
     visible_at, at_fault = wait_until(admin, all_showing, args.fault_timeout, poll_s)
     say(f"every fault visible after {visible_at - fault_time:.1f}s" if visible_at else "faults NOT all visible")
     time.sleep(5)
@@ -242,12 +255,18 @@ def run(args: argparse.Namespace, url: str, admin_kubeconfig: Path, work: Path, 
         name = node["metadata"]["name"]
         types = [c["type"] for c in node["status"].get("conditions", [])]
         duplicate += len(types) - len(set(types))
-        expected = set(FAULT_TYPES) if name in broken else set()
+        expected = fault_types if name in broken else set()
         lost += len(expected - true_types(node))
         unexpected += len(true_types(node) - expected)
         if name in broken and STATUS_ANNOTATION not in (node["metadata"].get("annotations") or {}):
             unrecorded += 1
     uncleared = sum(len(true_types(n)) for n in after)
+    asked = sum(REMEDIATION in true_types(n) for n in at_fault)
+    max_unhealthy = yaml.safe_load(NHC.read_text())["spec"]["maxUnhealthy"]
+    allowed = nhc_allowed_unhealthy(max_unhealthy, args.nodes)
+    say(f"circuit breaker: {asked} of {args.nodes} nodes ask for remediation; deploy/remediation's NodeHealthCheck "
+        f"(maxUnhealthy {max_unhealthy}) starts remediations while at most {allowed} are unhealthy: "
+        + ("it remediates" if asked <= allowed else "it stops, nothing is drained"))
     steady_s = steady_end - steady_begin
     steady_requests = sum(window(per_second, steady_begin + 1, steady_end - 1))
     start_rps = window(per_second, started_at, start_end)
@@ -267,10 +286,20 @@ def run(args: argparse.Namespace, url: str, admin_kubeconfig: Path, work: Path, 
         "lost_conditions": lost, "duplicate_conditions": duplicate, "unexpected_conditions": unexpected,
         "uncleared_conditions": uncleared, "fault_status_missing": unrecorded,
         "steady_window_s": round(steady_s, 1), "qps_limit_per_shard": args.qps,
+        "remediation_asked": asked, "nhc_max_unhealthy": max_unhealthy, "nhc_allowed_unhealthy": allowed,
+        "nhc_remediates": asked <= allowed,
     }
     print(json.dumps(figures))
     ok = visible_at and healed_at and not (lost or duplicate or unexpected or uncleared or unrecorded)
     return 0 if ok else 1
+
+
+def nhc_allowed_unhealthy(max_unhealthy: int | str, nodes: int) -> int:
+    """Unhealthy nodes the NodeHealthCheck tolerates and still remediates: a percentage scales rounding up
+    (NHC's getMinHealthy); tests/test_remediation.py pins the same model."""
+    if isinstance(max_unhealthy, str) and max_unhealthy.endswith("%"):
+        return math.ceil(int(max_unhealthy[:-1]) * nodes / 100)
+    return int(max_unhealthy)
 
 
 if __name__ == "__main__":

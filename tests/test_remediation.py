@@ -309,10 +309,10 @@ def test_circuit_breaker_stops_a_fleet_wide_fault_and_still_lets_a_small_fleet_r
     for nodes in (1, 2, 5, 10, 16, 64, 100, 1000):
         allowed = nhc_allowed_unhealthy(spec, nodes)
         assert allowed >= 1, f"{nodes} GPU nodes: no remediation ever"
-        assert allowed <= max(1, math.ceil(nodes * 0.1)), f"{nodes} GPU nodes: {allowed} at once"
-        # A fault on a fifth of the fleet or more stops it (with at least 10 nodes to be a fifth of).
-        if nodes >= 10:
-            assert nodes // 5 > allowed, f"{nodes} GPU nodes: a fault on a fifth of them is remediated"
+        assert allowed <= max(1, math.ceil(nodes * 0.05)), f"{nodes} GPU nodes: {allowed} at once"
+        # A correlated fault on a tenth of the fleet stops it (with at least 20 nodes to be a tenth of).
+        if nodes >= 20:
+            assert math.ceil(nodes * 0.1) > allowed, f"{nodes} GPU nodes: a fault on a tenth of them is remediated"
 
 
 def test_nhc_model_follows_its_rounding():

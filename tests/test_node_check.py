@@ -88,6 +88,13 @@ def test_a_node_wide_problem_asks_for_the_node_with_its_own_action(registry, rul
     assert "GpuDriverUnhealthy NvmlUnavailable" in message and "CHECK_DRIVER" in message
 
 
+def test_a_node_wide_problem_no_reboot_cures_asks_nothing_of_the_node(registry, rules):
+    boots = Boots(registry, rules, None, scenario="h100-sxm-8-ib-port-down", checks=["infiniband", "node"])
+    conditions = boots.sweep()
+    assert conditions["InfiniBandPortDown"][0]                      # critical, names no GPU: a cable
+    assert conditions["GpuNodeNeedsRemediation"][0] is False
+
+
 def test_a_rule_with_scope_node_asks_for_the_node_for_one_gpu(registry, tmp_path):
     site = tmp_path / "site.yaml"
     site.write_text("version: 1\nrules:\n  - name: site-xid-79-is-the-node\n    check: xid\n"

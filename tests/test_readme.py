@@ -700,3 +700,15 @@ if __name__ == "__main__":               # rewrite the README's check-settings t
         sys.exit(f"README.md has no {SETTINGS_BEGIN!r} ... {SETTINGS_END!r} markers to fill")
     README.write_text(text.replace(old, settings_table()))
     print("README.md: check-settings table " + ("unchanged" if old == settings_table() else "rewritten"))
+
+
+def test_remediation_table_names_every_condition_type(registry):
+    """The README's table of what each condition asks of whom covers every condition type the bundled
+    rules can set, and names none they cannot."""
+    from detector.cli.main import builtin_rules_dir
+    from detector.rules.loader import load_rules
+
+    text = (REPO / "README.md").read_text(encoding="utf-8")
+    table = text.split("<!-- remediation-table -->", 1)[1].split("<!-- /remediation-table -->", 1)[0]
+    named = {t for line in table.splitlines()[2:] for t in re.findall(r"`([A-Z][A-Za-z]+)`", line.split("|")[1])}
+    assert named == load_rules([builtin_rules_dir()], registry.fields_by_check()).types()

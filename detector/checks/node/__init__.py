@@ -25,6 +25,8 @@ log = logging.getLogger("gpu_npd.node")
 
 DAY = 86400.0
 INCIDENT_ACTIONS = ["RESET_GPU", "DRAIN_AND_RESET", "RESTART_BM", "RESTART_VM", "CONTACT_SUPPORT"]
+# What a drain and reboot can cure: not a cable (CHECK_NETWORK), cooling, or hardware to replace.
+REMEDIABLE_ACTIONS = ["RESTART_BM", "RESTART_VM", "RESET_GPU", "DRAIN_AND_RESET", "CHECK_DRIVER", "CHECK_NVLINK"]
 
 
 class NodeStateCheck(NodeCheck):
@@ -37,8 +39,8 @@ class NodeStateCheck(NodeCheck):
         "failed_gpus": "GPUs failed now (a critical problem names them)",
         "degraded_gpus": "GPUs degraded now (a warning names them)",
         "failed_list": "the failed GPUs, named",
-        "node_problems": "critical problems held now that are the node's: they name no GPU, or their rule "
-                         "says scope: node",
+        "node_problems": "critical problems held now that are the node's (they name no GPU, or their rule "
+                         "says scope: node) and whose action is in remediable_actions",
         "node_problem_list": "those problems' reasons",
         "node_action": "the most demanding recommended action among them",
         "remediation_loop": "true when a problem came back after each of loop_reboots reboots within loop_window",
@@ -61,6 +63,8 @@ class NodeStateCheck(NodeCheck):
         "flaky_window": ConfigField(float, 30 * DAY, "seconds within which those boots must fall"),
         "incident_actions": ConfigField(list, INCIDENT_ACTIONS, "recommended actions of critical problems that "
                                         "count as a GPU's incidents (reset-, reboot- and replace-class)"),
+        "remediable_actions": ConfigField(list, REMEDIABLE_ACTIONS, "recommended actions of node-wide problems "
+                                          "that a drain and reboot can cure (node_problems counts only these)"),
         "retention": ConfigField(float, 90 * DAY, "seconds of history kept (at least both windows)"),
     }
 
@@ -115,7 +119,9 @@ class NodeStateCheck(NodeCheck):
 
     def _node_observation(self, history: History, view: NodeView) -> Observation:
         failed = [h for h in view.health if h.state == FAILED]
-        node_wide = [p for p in _critical(view.held) if not p.gpus or p.rule in view.node_scoped]
+        remediable = set(self.config["remediable_actions"])
+        node_wide = [p for p in _critical(view.held)
+                     if (not p.gpus or p.rule in view.node_scoped) and p.action in remediable]
         node_wide.sort(key=lambda p: -action_strength(p.action))
         loop = history.loop(view.boot, self.config["loop_window"], view.now)
         return Observation(self.name, {

@@ -509,9 +509,11 @@ class Store:
         return a new object and leave its argument as it is.
 
         `.status` only changes through the status subresource, and the status subresource changes
-        nothing else. A body carrying a resourceVersion other than the stored one is a conflict. An
-        update that changes nothing keeps the resourceVersion, as Kubernetes does. With `dry_run`
-        everything is checked and the result returned, and nothing is stored.
+        nothing else but labels and annotations (the Node and Pod status strategies reset only spec and
+        a few system fields, so a strategic-merge patch of nodes/<name>/status may set or, with null,
+        remove a node's annotations). A body carrying a resourceVersion other than the stored one is a
+        conflict. An update that changes nothing keeps the resourceVersion, as Kubernetes does. With
+        `dry_run` everything is checked and the result returned, and nothing is stored.
         """
         with self._lock:
             key = self._key(kind, namespace, name)
@@ -552,7 +554,14 @@ class Store:
     @staticmethod
     def _carry_over(kind: Kind, current: dict, new: dict, subresource: str) -> dict:
         if subresource == "status":
-            return {**current, "metadata": dict(current["metadata"]), "status": new.get("status") or {}}
+            meta = dict(current["metadata"])
+            sent = new.get("metadata")
+            for name in _STATUS_META_FIELDS if isinstance(sent, dict) else ():
+                if name in sent:
+                    meta[name] = sent[name]
+                else:
+                    meta.pop(name, None)
+            return {**current, "metadata": meta, "status": new.get("status") or {}}
         result = dict(new)
         result["apiVersion"], result["kind"] = kind.api_version, kind.kind
         meta = dict(new.get("metadata") or {})
@@ -592,6 +601,10 @@ class Store:
             rv = self._bump()
             self._record(kind, DELETED, current, {**current, "metadata": {**meta, "resourceVersion": rv}})
             return current
+
+
+# What an update through the status subresource may change in metadata besides status itself.
+_STATUS_META_FIELDS = ("labels", "annotations")
 
 
 def _name_mismatch(body_name: str, url_name: str) -> ApiError:

@@ -9,6 +9,9 @@
   it, and types gpu-npd wrote but no rule produces any more are deleted.
 - Every message gpu-npd writes starts with MARKER, which is how a later gpu-npd recognises its own
   condition types after a rule that produced one is removed.
+- One node annotation of gpu-npd's own (annotations.py) rides in the same PATCH (the status subresource
+  takes metadata.annotations for Nodes): sent only when its value differs from what the node has (read
+  on start) or was last sent, so a heartbeat never carries it; removed with null only if it is there.
 """
 
 from __future__ import annotations
@@ -20,11 +23,13 @@ from datetime import datetime, timezone
 from typing import Any, Callable, Iterable
 
 from detector.agent.active import ConditionStatus
+from detector.kube.annotations import UNHEALTHY_GPUS
 from detector.kube.api import ApiError, KubeApi
 from detector.kube.pacing import Backoff, jittered
 
 MARKER = "gpu-npd: "
 MESSAGE_LIMIT = 1024
+_UNJUDGED = object()     # no annotation value given yet: the node's annotation is left as it is
 
 
 def rfc3339(t: float) -> str:
@@ -42,8 +47,9 @@ class _Sent:
 class ConditionReporter:
     def __init__(self, api: KubeApi, node: str, owned_types: Iterable[str], clock: Callable[[], float],
                  heartbeat_s: float = 300.0, jitter: float = 0.1, rng: random.Random | None = None,
-                 backoff: Backoff | None = None):
+                 backoff: Backoff | None = None, annotation_key: str = UNHEALTHY_GPUS):
         self.api, self.node, self.owned = api, node, set(owned_types)
+        self.annotation_key = annotation_key
         self.clock, self.heartbeat_s, self.jitter = clock, heartbeat_s, jitter
         self.rng = rng or random.Random()
         self.backoff = backoff or Backoff(rng=self.rng)
@@ -52,6 +58,9 @@ class ConditionReporter:
         self._sent: dict[str, _Sent] = {}
         self._stale: set[str] = set()           # ours on the node, produced by no rule now: delete
         self._dirty = False
+        self._annotation: object = _UNJUDGED    # the value wanted: a string, None (absent) or _UNJUDGED
+        self._annotation_sent: str | None = None   # on the node, as read on start or last sent
+        self._annotation_written = False
         self._retry_at = 0.0
         self._heartbeat_at: float | None = None
         self.last_error: ApiError | None = None
@@ -60,8 +69,12 @@ class ConditionReporter:
     # -- input ----------------------------------------------------------------------------------
 
     def adopt(self, node_object: dict[str, Any]) -> None:
-        """Take the node's current conditions: ours keep their transition times; stale ones go."""
+        """Take the node's current conditions and annotation: ours keep their transition times; stale
+        ones go; the annotation is written only if it has to change."""
         with self._lock:
+            if not self._annotation_written:
+                value = ((node_object.get("metadata") or {}).get("annotations") or {}).get(self.annotation_key)
+                self._annotation_sent = value if isinstance(value, str) else None
             for c in (node_object.get("status") or {}).get("conditions") or []:
                 t, message = c.get("type", ""), c.get("message") or ""
                 if t in self.owned:
@@ -80,6 +93,15 @@ class ConditionReporter:
             self._dirty = self._dirty or any(self._differs(t, s) for t, s in self._desired.items())
             return self._dirty
 
+    def annotate(self, value: str | None) -> bool:
+        """The annotation's wanted value (None: absent); True when it changed from the last one given."""
+        with self._lock:
+            changed, self._annotation = value != self._annotation, value
+            return changed
+
+    def _annotation_due(self) -> bool:
+        return self._annotation is not _UNJUDGED and self._annotation != self._annotation_sent
+
     def _differs(self, type_: str, s: ConditionStatus) -> bool:
         sent = self._sent.get(type_)
         return sent is None or (sent.status, sent.reason, sent.message) != _wire(s)
@@ -88,7 +110,7 @@ class ConditionReporter:
 
     def due_at(self) -> float | None:
         with self._lock:
-            if self._dirty:
+            if self._dirty or self._annotation_due():
                 return self._retry_at
             return self._heartbeat_at if self._desired else None
 
@@ -97,8 +119,9 @@ class ConditionReporter:
         backoff, or after `backoff.refused_s` when it refused (a missing permission, no such node)."""
         now = self.clock()
         with self._lock:
-            due = self._dirty or (self._heartbeat_at is not None and now >= self._heartbeat_at)
-            if not due or now < self._retry_at or not (self._desired or self._stale):
+            annotation = self._annotation_due()
+            due = self._dirty or annotation or (self._heartbeat_at is not None and now >= self._heartbeat_at)
+            if not due or now < self._retry_at or not (self._desired or self._stale or annotation):
                 return True
             body, sent = self._body(now)
             self._dirty = False
@@ -115,7 +138,11 @@ class ConditionReporter:
             self.backoff.reset()
             self._retry_at = 0.0
             self._sent.update(sent)
-            self._stale -= {c["type"] for c in body["status"]["conditions"] if c.get("$patch") == "delete"}
+            self._stale -= {c["type"] for c in body.get("status", {}).get("conditions", [])
+                            if c.get("$patch") == "delete"}
+            if "metadata" in body:
+                self._annotation_sent = body["metadata"]["annotations"][self.annotation_key]
+                self._annotation_written = True
             self._dirty = self._dirty or any(self._differs(t, s) for t, s in self._desired.items())
             self._heartbeat_at = now + jittered(self.heartbeat_s, self.jitter, self.rng)
         return True
@@ -132,7 +159,10 @@ class ConditionReporter:
             conditions.append({"type": type_, "status": status, "reason": reason, "message": message,
                                "lastHeartbeatTime": stamp, "lastTransitionTime": transition})
         conditions.extend({"type": t, "$patch": "delete"} for t in sorted(self._stale))
-        return {"status": {"conditions": conditions}}, sent
+        body: dict[str, Any] = {"status": {"conditions": conditions}} if conditions else {}
+        if self._annotation_due():
+            body["metadata"] = {"annotations": {self.annotation_key: self._annotation}}
+        return body, sent
 
     def snapshot(self) -> dict[str, tuple[str, str]]:
         """What the API server was last told: type -> (status, reason)."""

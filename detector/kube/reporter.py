@@ -1,4 +1,5 @@
-"""The agent's Kubernetes sink: conditions and events for one node, sent when due.
+"""The agent's Kubernetes sink: conditions, events and the unhealthy-GPUs annotation for one node, sent
+when due.
 
 `conditions`/`events` only record the latest state and return at once; `flush` (called by the
 daemon's sender thread, or by the fleet's shared scheduler) does the talking, reading the node first. So a
@@ -16,7 +17,9 @@ from typing import Callable
 
 from detector.agent.active import ConditionStatus
 from detector.agent.agent import AgentSink
+from detector.core.gpu_health import GpuHealth
 from detector.core.types import Problem, Severity
+from detector.kube.annotations import unhealthy_gpus_annotation
 from detector.kube.api import ApiError, KubeApi
 from detector.kube.conditions import ConditionReporter
 from detector.kube.events import EventReporter, EventSettings
@@ -131,6 +134,11 @@ class KubeReporter(AgentSink):
         for p in problems:
             self.event_out.record(_event_type(p.severity), p.reason, p.message, p.occurrences)
         self._pending()
+
+    def gpus(self, health: list[GpuHealth]) -> None:
+        """The node's unhealthy GPUs as an annotation, written with the next status PATCH if it changed."""
+        if self.condition_out.annotate(unhealthy_gpus_annotation(health)):
+            self._pending()
 
     def _pending(self) -> None:
         self.wake.set()

@@ -119,3 +119,11 @@ def test_diagnose_shows_each_gpus_health_in_json_and_table_as_the_metric_does():
     [lost] = [line for line in table.splitlines() if "0000:5d:00.0" in line and not line.startswith(" ")]
     assert "failed RESTART_BM" in lost
     assert sum("healthy" in line.split() for line in table.splitlines()) == 7
+
+
+def test_a_lost_gpu_keeps_the_uuid_a_held_problem_knows():
+    """NVML forgets a GPU that fell off the bus (no UUID any more); a held XID problem still names it by
+    UUID, and the GPU's health (and so the annotation and the device taint) keeps that identity."""
+    lost = GpuRef(1, None, "0000:2a:00.0")
+    [h0, h1] = gpu_health([GPU0, lost], [problem("Xid79GpuFellOffBus", Severity.CRITICAL, "RESTART_BM", GPU1)])
+    assert h1.gpu == GPU1 and h1.state == FAILED and h0.gpu == GPU0

@@ -129,7 +129,7 @@ class NodeAgent:
         if fresh_inventory:
             self._inventory = (time.monotonic(), result.inventory)
             for gpu in result.inventory.gpus:
-                self._known_gpus[gpu_key(gpu.ref())] = gpu.ref()
+                self._known_gpus[gpu_key(gpu.ref())] = _keep_known(gpu.ref(), self._known_gpus.get(gpu_key(gpu.ref())))
                 if gpu.identity.serial:
                     self._serials[gpu_key(gpu.ref())] = gpu.identity.serial
         now, boot = self.clock(), self.host.current_boot()
@@ -149,17 +149,18 @@ class NodeAgent:
         newly_judged = self._judge()
         if changed:
             self._save()
+        health = self.gpu_health()
+        for sink in self.sinks:               # before conditions: a sink that sends both sends them together
+            sink.gpus(health)
         if changed or newly_judged:
             statuses = self.conditions()
             for sink in self.sinks:
                 sink.conditions(statuses)
         events = [p for p in problems if p.report == "event"]
-        health = self.gpu_health()
         for sink in self.sinks:
             if events:
                 sink.events(events)
             sink.sweep(result, problems)
-            sink.gpus(health)
         return problems
 
     def gpu_health(self) -> list[GpuHealth]:
@@ -280,6 +281,13 @@ def write_json(path: Path, data: dict) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(json.dumps(data, indent=1))
     os.replace(tmp, path)
+
+
+def _keep_known(ref: GpuRef, before: GpuRef | None) -> GpuRef:
+    """A GPU NVML lost reads without its UUID: the one known before is kept, so reports go on naming it."""
+    if before is None or ref.uuid or not before.uuid:
+        return ref
+    return GpuRef(ref.index, before.uuid, ref.pci_bus_id)
 
 
 def _in_lane(check: Check, long_running: bool | None) -> bool:

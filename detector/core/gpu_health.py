@@ -44,7 +44,7 @@ def gpu_health(gpus: Iterable[GpuRef], problems: Iterable[Problem]) -> list[GpuH
         for ref in problem.gpus:
             key = _match(ref, refs)
             if key:
-                refs.setdefault(key, ref)
+                refs[key] = _fuller(refs[key], ref) if key in refs else ref
                 naming.setdefault(key, []).append(problem)
     return sorted((_judge(refs[key], naming.get(key, [])) for key in refs),
                   key=lambda h: (h.gpu.index is None, h.gpu.index or 0, h.gpu.pci_bus_id or ""))
@@ -57,6 +57,14 @@ def _match(ref: GpuRef, known: dict[str, GpuRef]) -> str:
                 (not ref.pci_bus_id and not ref.uuid and ref.index is not None and ref.index == other.index):
             return key
     return gpu_key(ref)
+
+
+def _fuller(known: GpuRef, other: GpuRef) -> GpuRef:
+    """What either knows of one GPU: NVML forgets a lost GPU's UUID, a held XID problem still has it."""
+    if (known.uuid or not other.uuid) and (known.pci_bus_id or not other.pci_bus_id):
+        return known
+    return GpuRef(known.index if known.index is not None else other.index, known.uuid or other.uuid,
+                  known.pci_bus_id or other.pci_bus_id)
 
 
 def _judge(ref: GpuRef, problems: list[Problem]) -> GpuHealth:

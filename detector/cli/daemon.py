@@ -66,7 +66,7 @@ def add_daemon_parsers(sub: Any) -> None:
     r.add_argument("--nvidia-smi", metavar="PATH", help="nvidia-smi to run (default: nvidia-smi on PATH)")
     r.add_argument("--inventory-timeout", type=float, default=10.0, metavar="S", help="NVML call timeout (default 10)")
     r.add_argument("--heartbeat", type=float, default=300.0, metavar="S",
-                   help="refresh the conditions' lastHeartbeatTime this often, +-10%% jitter (default 300)")
+                   help="refresh the conditions' lastHeartbeatTime this often, plus up to 10%% jitter, never sooner (default 300)")
     r.add_argument("--qps", type=float, default=5.0, help="client-side API requests per second (default 5)")
     r.add_argument("--burst", type=int, default=10, help="client-side API burst (default 10)")
     r.add_argument("--event-burst", type=int, default=25, help="events per node before rate limiting (default 25)")

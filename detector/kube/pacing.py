@@ -68,5 +68,6 @@ class Backoff:
 
 
 def jittered(period_s: float, fraction: float, rng: random.Random) -> float:
-    """`period_s` give or take `fraction` of it, so thousands of nodes do not act in the same second."""
-    return period_s * (1 + rng.uniform(-fraction, fraction))
+    """`period_s` plus up to `fraction` of it, so thousands of nodes do not act in the same second and none
+    acts more often than every `period_s` (a heartbeat stays within node-problem-detector's one per 5 min)."""
+    return period_s * (1 + rng.uniform(0.0, fraction))

@@ -243,6 +243,12 @@ def test_gpu_npd_history_prints_a_gpus_incidents(registry, rules, tmp_path, caps
     assert len(data["boots"]) == 2
     assert main(["history", "--state-dir", str(tmp_path), "--gpu", "NOPE"]) == 1
     assert "no GPU NOPE in" in capsys.readouterr().err
+    assert main(["history", "--state-dir", str(tmp_path / "absent")]) == 2
+    assert "absent: no such directory" in capsys.readouterr().err
+    (tmp_path / HISTORY_FILE).write_text("{torn")
+    assert main(["history", "--state-dir", str(tmp_path)]) == 2
+    assert f"cannot read {tmp_path / HISTORY_FILE}" in capsys.readouterr().err
+    assert (tmp_path / HISTORY_FILE).read_text() == "{torn"                  # reading never moves it
 
 
 # -- the state file ------------------------------------------------------------------------------------

@@ -32,6 +32,10 @@ def add_history_parser(sub: argparse._SubParsersAction, default_state_dir: Path)
 
 
 def cmd_history(args: argparse.Namespace) -> int:
+    if not args.state_dir.is_dir():
+        print(f"gpu-npd: --state-dir {args.state_dir}: no such directory (is the daemon running here, with "
+              "this --state-dir?)", file=sys.stderr)
+        return 2
     history, problem = read_history(args.state_dir)
     if problem:
         print(f"gpu-npd: {problem}", file=sys.stderr)

@@ -239,3 +239,28 @@ def test_live_kmsg_events_are_marked_kernel(registry):
     out = diagnose_host(fake_host(node), registry, checks=["xid"])
     [obs] = out.sweep.runs[0].observations
     assert obs.fields["origin"] == "kernel" and obs.fields["incidents"] == 1
+
+
+def test_an_xid_after_a_quick_reboot_is_a_new_one_not_a_duplicate_of_the_last_boots(registry):
+    """The kernel line and the NVML event of one XID count once (within dedupe_window_s), but never across
+    a reboot: a fake node the simulator reboots under a running agent, with the same XID 79 back within
+    seconds, must show it again in every boot (it did not: only the first boot's was reported)."""
+    from detector.agent.agent import AgentSettings, NodeAgent
+    from detector.cli.main import builtin_rules_dir
+    from detector.config import build_checks
+    from detector.rules.loader import load_rules
+
+    node = node_for("h100-sxm-8")
+    checks = build_checks(registry, ["visibility", "xid"], {})
+    agent = NodeAgent(fake_host(node, threaded=False), checks,
+                      load_rules([builtin_rules_dir()], registry.fields_by_check()),
+                      settings=AgentSettings(start_spread_s=0.0))
+    agent.run(agent.checks)
+    for boot in range(3):
+        node.inject(Fault("xid", 3, {"code": 79}))
+        node.inject(Fault("xid", 5, {"code": 79}))
+        [xid79] = [p for p in agent.run(agent.checks) if p.rule == "xid-79"]
+        assert sorted(g.index for g in xid79.gpus) == [3, 5], boot
+        assert xid79.occurrences == 2, boot           # kernel line and NVML event: still once per GPU
+        node.inject(Fault("reboot"))
+        agent.run(agent.checks)

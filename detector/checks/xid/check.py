@@ -99,8 +99,12 @@ class XidCheck(Check):
         self._uuids: dict[str, str] = {}          # bus id -> UUID, from `NVRM: GPU at ...` lines
         self._live_boots = SavedLogTimeline()     # boots of a live reader that knows no boot id
         self._file_done = False
+        self._boot: str | None = None             # the boot the cross-source dedupe belongs to
 
     def run(self, ctx: SweepContext) -> CheckOutput:
+        if ctx.host.current_boot() != self._boot:     # a fake node rebooted under a running agent: an XID of
+            self._boot = ctx.host.current_boot()      # the new boot is never a duplicate of the old one's
+            self._recent = _Recent(self.config["dedupe_window_s"])
         gpus = {g.pci_bus_id: g.ref() for g in ctx.inventory.gpus if g.pci_bus_id}
         self._uuids.update({g.pci_bus_id: g.uuid for g in ctx.inventory.gpus if g.pci_bus_id and g.uuid})
         self._incidents.start_run()

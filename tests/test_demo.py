@@ -1,6 +1,6 @@
 """`gpu-npd demo` (what `make demo` runs) tells the story it promises: one failed GPU of eight is fenced by a
-device taint without asking for a reboot, and a problem that comes back after each of three reboots turns
-into GpuRemediationLoop, which stops the node asking for remediation."""
+device taint without asking for a reboot, two failed GPUs ask for the node, and a problem that comes back
+after each of three reboots turns into GpuRemediationLoop, which stops the node asking for remediation."""
 
 from __future__ import annotations
 
@@ -15,11 +15,11 @@ def test_demo_fences_one_gpu_and_ends_a_remediation_loop(capsys):
     assert "DeviceTaintRule gpu-npd-demo-node-gpu-3: gpu-npd.io/gpu-unhealthy=failed:NoExecute on gpu.nvidia.com " \
            "demo-node/gpu-3" in out
     assert "DeviceTaintRule gpu-npd-demo-node-gpu-3 deleted" in out
-    assert "condition GpuNodeNeedsRemediation=True reason=GpusFailed" in out
-    assert out.count(">>> remediator: reboot") == 2
+    assert "condition GpuNodeNeedsRemediation=True reason=GpusFailed" in out          # GPUs 5 and 6
+    assert "condition GpuNodeNeedsRemediation=True reason=NodeWideProblem" in out     # nvidia_uvm
+    assert out.count(">>> remediator: reboot") == 4
     assert "condition GpuRemediationLoop=True reason=RemediationLoop" in out
-    assert "came back after each of 3 reboots within 24h" in out
-    assert "condition GpuFlaky=True reason=FlakyGpu" in out
+    assert "GpuDriverUnhealthy DriverModulesMissing came back after each of 3 reboots within 24h" in out
     assert "kubelet's own conditions, never touched by gpu-npd: DiskPressure=False, MemoryPressure=False, " \
            "PIDPressure=False, Ready=True" in out
     assert out.rstrip().endswith("demo finished")

@@ -75,10 +75,23 @@ def test_two_failed_gpus_ask_for_the_node_naming_them(registry, rules):
     conditions = Boots(registry, rules, None).fail(3, 5)
     active, reason, message = conditions["GpuNodeNeedsRemediation"]
     assert (active, reason) == (True, "GpusFailed")
-    assert message.startswith("2 of 8 GPUs failed (GPU 3 (") and "GPU 5 (" in message
+    assert message.startswith("2 of 8 GPUs failed with a problem a reboot may cure (GPU 3 (") and "GPU 5 (" in message
     assert "Xid79GpuFellOffBus" in message and message.endswith("Recommended action: RESTART_BM "
                                                                   "(drain the node and reboot it; power-cycle it "
                                                                   "if the GPU does not come back).")
+
+
+def test_gpus_to_replace_are_fenced_not_rebooted_for(registry, rules):
+    """Two GPUs whose row remapping failed need replacing (CONTACT_SUPPORT): a reboot cures neither, so
+    the node is not asked for one (it would only loop); both GPUs are failed and fenced."""
+    boots = Boots(registry, rules, None, checks=["memory", "node"])
+    for gpu in (2, 6):
+        boots.node.inject(Fault("remap_failure", gpu))
+    conditions = boots.sweep()
+    assert conditions["GpuMemoryError"][0]
+    assert conditions["GpuNodeNeedsRemediation"][0] is False
+    failed = {h.gpu.index: h.action for h in boots.agent.gpu_health() if h.state == "failed"}
+    assert failed == {2: "CONTACT_SUPPORT", 6: "CONTACT_SUPPORT"}
 
 
 def test_a_node_wide_problem_asks_for_the_node_with_its_own_action(registry, rules):

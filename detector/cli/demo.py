@@ -3,10 +3,11 @@
 1. GPU 3 gets XID 79 (fallen off the bus) after a few seconds: that GPU is fenced with a DRA device taint
    (the emulator plays the NVIDIA DRA driver's ResourceSlice) and the node is not asked to reboot
    (GpuNodeNeedsRemediation stays False: 1 of 8 GPUs failed). The node is then rebooted, and all clears.
-2. A remediation loop: GPU 3 falls off the bus again after that reboot, GPU 5 with it, so the node asks
-   for remediation; a remediator reboots it and the same problem comes back, twice more. After the third
-   reboot GpuRemediationLoop turns True and gpu-npd stops asking; GPU 3, failing boot after boot, is
-   GpuFlaky.
+2. GPUs 5 and 6 fall off the bus: two failed GPUs ask for the node (GpuNodeNeedsRemediation); a
+   remediator reboots it, which cures it.
+3. A remediation loop: nvidia_uvm fails to load at every boot. The node asks for remediation, a
+   remediator reboots it, and the problem comes back, three times; then GpuRemediationLoop turns True
+   and gpu-npd stops asking.
 The node's conditions, events and device taints are printed as the API server sees them change; the demo
 exits by itself.
 """
@@ -91,7 +92,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     emulator.start()
     node = load_scenario(args.scenario).build(NODE)
     local = local_daemon(args.scenario, NODE, settings=settings, emulator=emulator, node=node,
-                         check_settings={"visibility": {"interval": 2}, "pcie": {"interval": 10}})
+                         check_settings={"visibility": {"interval": 2}, "pcie": {"interval": 10},
+                                         "driver": {"interval": 2}})
     publish_gpu_slice(emulator, node)
     w = Watcher(local)
     ok = True
@@ -121,19 +123,27 @@ def cmd_demo(args: argparse.Namespace) -> int:
         ok &= w.until(lambda: has("GpuXidError", "False")() and has("GpuMissing", "False")()
                       and not emulator.device_taint_rules(), args.timeout)
 
-        w.say(">>> a remediation loop: GPU 3 falls off the bus again after that reboot, and GPU 5 with it; two "
-              "failed GPUs ask for the node; a remediator reboots it and they come back, twice more")
-        for attempt in range(2, 4):
-            node.inject(Fault("xid", gpu=3, params={"code": 79}))
-            node.inject(Fault("xid", gpu=5, params={"code": 79}))
-            ok &= w.until(has("GpuNodeNeedsRemediation", "True"), args.timeout)
-            w.say(f">>> remediator: reboot {attempt} of the node (GpuNodeNeedsRemediation=True)")
-            node.inject(Fault("reboot"))
-            ok &= w.until(lambda: has("GpuXidError", "False")() and has("GpuMissing", "False")(), args.timeout)
-        node.inject(Fault("xid", gpu=3, params={"code": 79}))
-        node.inject(Fault("xid", gpu=5, params={"code": 79}))
-        ok &= w.until(lambda: has("GpuRemediationLoop", "True")() and has("GpuNodeNeedsRemediation", "False")(),
+        w.say(">>> GPUs 5 and 6 fall off the bus: two failed GPUs ask for the node")
+        for gpu in (5, 6):
+            node.inject(Fault("xid", gpu=gpu, params={"code": 79}))
+        ok &= w.until(has("GpuNodeNeedsRemediation", "True"), args.timeout)
+        w.say(">>> remediator: reboot (GpuNodeNeedsRemediation=True); the reboot cures it")
+        node.inject(Fault("reboot"))
+        ok &= w.until(lambda: has("GpuNodeNeedsRemediation", "False")() and has("GpuMissing", "False")(),
                       args.timeout)
+
+        w.say(">>> a remediation loop: nvidia_uvm fails to load at every boot (a node-wide problem); the "
+              "remediator reboots, and it comes back")
+        for attempt in range(1, 4):
+            node.inject(Fault("module_unloaded", params={"module": "nvidia_uvm"}))
+            ok &= w.until(has("GpuNodeNeedsRemediation", "True"), args.timeout)
+            w.say(f">>> remediator: reboot {attempt} (GpuNodeNeedsRemediation=True)")
+            node.inject(Fault("reboot"))
+            ok &= w.until(has("GpuNodeNeedsRemediation", "False"), args.timeout)
+        node.inject(Fault("module_unloaded", params={"module": "nvidia_uvm"}))
+        ok &= w.until(lambda: has("GpuRemediationLoop", "True")() and has("GpuDriverUnhealthy", "True")(),
+                      args.timeout)
+        ok &= has("GpuNodeNeedsRemediation", "False")()
         w.say("    GpuRemediationLoop=True and GpuNodeNeedsRemediation=False: remediators stop, a person looks")
         w.say("kubelet's own conditions, never touched by gpu-npd: " + ", ".join(
             f"{t}={c['status']}" for t, c in sorted(local.conditions().items())

@@ -37,8 +37,10 @@ class NodeStateCheck(NodeCheck):
     fields = {
         "gpus": "GPUs the node has had (those NVML lost included)",
         "failed_gpus": "GPUs failed now (a critical problem names them)",
+        "rebootable_failed_gpus": "failed GPUs whose recommended action is in remediable_actions: a reboot may "
+                                  "cure them (a GPU to replace, CONTACT_SUPPORT, is fenced, not rebooted for)",
         "degraded_gpus": "GPUs degraded now (a warning names them)",
-        "failed_list": "the failed GPUs, named",
+        "failed_list": "the failed GPUs a reboot may cure, named, with their reasons",
         "node_problems": "critical problems held now that are the node's (they name no GPU, or their rule "
                          "says scope: node) and whose action is in remediable_actions",
         "node_problem_list": "those problems' reasons",
@@ -127,8 +129,9 @@ class NodeStateCheck(NodeCheck):
         return Observation(self.name, {
             "gpus": len(view.health),
             "failed_gpus": len(failed),
+            "rebootable_failed_gpus": sum(h.action in remediable for h in failed),
             "degraded_gpus": sum(h.state == DEGRADED for h in view.health),
-            "failed_list": ", ".join(_named(h) for h in failed),
+            "failed_list": ", ".join(_named(h) for h in failed if h.action in remediable),
             "node_problems": len(node_wide),
             "node_problem_list": ", ".join(dict.fromkeys(f"{p.type} {p.reason}" for p in node_wide)),
             "node_action": node_wide[0].action if node_wide else "NONE",

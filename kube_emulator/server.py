@@ -559,19 +559,23 @@ class Emulator:
 
     def create_resource_slice(self, body: dict) -> dict:
         """Publish a ResourceSlice as a DRA driver would (at the served resource.k8s.io version)."""
-        kind = self._dra_kind("resourceslices")
-        return clone(self.store.create(kind, None, {"apiVersion": kind.api_version, "kind": kind.kind, **body}))
+        return self._dra_create("resourceslices", body)
 
     def resource_slices(self) -> list[dict]:
-        kind = self._dra_kind("resourceslices")
-        return [self._with_kind(item, kind) for item in self.store.list(kind)["items"]]
+        return self._dra_list("resourceslices")
 
     def create_device_taint_rule(self, body: dict) -> dict:
-        kind = self._dra_kind("devicetaintrules")
-        return clone(self.store.create(kind, None, {"apiVersion": kind.api_version, "kind": kind.kind, **body}))
+        return self._dra_create("devicetaintrules", body)
 
     def device_taint_rules(self) -> list[dict]:
-        kind = self._dra_kind("devicetaintrules")
+        return self._dra_list("devicetaintrules")
+
+    def _dra_create(self, resource: str, body: dict) -> dict:
+        kind = self._dra_kind(resource)
+        return clone(self.store.create(kind, None, {"apiVersion": kind.api_version, "kind": kind.kind, **body}))
+
+    def _dra_list(self, resource: str) -> list[dict]:
+        kind = self._dra_kind(resource)
         return [self._with_kind(item, kind) for item in self.store.list(kind)["items"]]
 
     @staticmethod

@@ -54,11 +54,23 @@ def no_network(monkeypatch):
 
 # --- kubectl kustomize
 
+KUBECTL_MISSING = ("kubectl not found at .venv/tools/kubectl nor on PATH: run `make kubectl` (`make test` runs "
+                   "it) to install it, then run the tests again")
+
+
 def find_kubectl() -> str | None:
     for candidate in KUBECTL_CANDIDATES:
         if candidate.is_file() and os.access(candidate, os.X_OK):
             return str(candidate)
     return shutil.which("kubectl")
+
+
+def require_kubectl() -> str:
+    """kubectl's path; a failure (not a skip) without it: CI runs `make test`, which installs it."""
+    path = find_kubectl()
+    if path is None:
+        pytest.fail(KUBECTL_MISSING)
+    return path
 
 
 def offline_env() -> dict[str, str]:
@@ -71,10 +83,7 @@ def offline_env() -> dict[str, str]:
 
 @pytest.fixture(scope="session")
 def kubectl() -> str:
-    path = find_kubectl()
-    if path is None:
-        pytest.fail("kubectl not found at .venv/tools/kubectl nor on PATH: run `make kubectl` "
-                    "(`make test` runs it) to install it, then run the tests again")
+    path = require_kubectl()
     proc = subprocess.run([path, "version", "--client", "-o", "json"], capture_output=True, text=True,
                           timeout=60, env=offline_env())
     assert proc.returncode == 0, f"{path} version: {proc.stderr}"
@@ -87,8 +96,7 @@ def kubectl() -> str:
 
 def test_kubectl_is_installed():
     """Not a skip: CI runs `make test`, which installs it, so a missing kubectl is a broken setup."""
-    assert find_kubectl(), ("kubectl not found at .venv/tools/kubectl nor on PATH: run `make kubectl` "
-                            "(`make test` runs it) to install it, then run the tests again")
+    assert find_kubectl(), KUBECTL_MISSING
 
 
 _rendered: dict[str, list[dict]] = {}

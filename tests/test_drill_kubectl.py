@@ -23,7 +23,7 @@ from detector.sim.fleet import Fleet, FleetSettings
 from detector.sim.fleetfile import fleet_from_dict
 from kube_emulator import Emulator
 from kube_emulator.rbac import ADMIN
-from test_deploy_render import find_kubectl
+from test_deploy_render import require_kubectl
 
 NODE = "gpu-h100-0007"
 XID79 = '{"kind": "xid", "gpu": 3, "params": {"code": 79}}'
@@ -34,9 +34,7 @@ COLUMNS = ('custom-columns=NAME:.metadata.name,'
 
 @pytest.fixture
 def drill(tmp_path):
-    kubectl_path = find_kubectl()
-    if kubectl_path is None:
-        pytest.fail("kubectl not found at .venv/tools/kubectl nor on PATH: run `make kubectl` (`make test` runs it)")
+    kubectl_path = require_kubectl()
     with Emulator(rbac_paths=(REPO_DEPLOY, REPO_DEPLOY.parent / "kwok"), https=True) as emulator:
         simulator = emulator.write_kubeconfig(tmp_path / "simulator.kubeconfig", user=SIMULATOR_USER)
         admin = emulator.write_kubeconfig(tmp_path / "admin.kubeconfig", user=ADMIN)

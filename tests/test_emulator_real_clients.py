@@ -18,7 +18,7 @@ from kubernetes import client, config, watch
 from conftest import REPO
 from kube_emulator import Emulator
 from kube_emulator.rbac import ADMIN
-from test_deploy_render import find_kubectl
+from test_deploy_render import require_kubectl
 
 SA = "system:serviceaccount:gpu-npd:gpu-npd"
 WAIT_S = 10.0    # the longest a test waits for output it expects: never reached when things work
@@ -26,11 +26,7 @@ WAIT_S = 10.0    # the longest a test waits for output it expects: never reached
 
 @pytest.fixture(scope="module")
 def kubectl_path() -> str:
-    path = find_kubectl()
-    if path is None:
-        pytest.fail("kubectl not found at .venv/tools/kubectl nor on PATH: run `make kubectl` (`make test` runs "
-                    "it) to install it, then run the tests again")
-    return path
+    return require_kubectl()
 
 
 @pytest.fixture

@@ -15,7 +15,6 @@ kubectl (`make kubectl`, which `make test` runs)."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import urllib.request
@@ -37,7 +36,7 @@ from detector.daemon.run import DaemonSettings
 from detector.rules.loader import load_rules
 from fake_nvml.faults import Fault
 from kube_emulator import Emulator
-from test_deploy_render import find_kubectl
+from test_deploy_render import offline_env, require_kubectl
 
 MONITORING = REPO / "deploy" / "monitoring"
 RULE_FILE = MONITORING / "prometheusrule.yaml"
@@ -548,15 +547,8 @@ def test_dashboard_covers_the_fleet_view():
 
 @pytest.fixture(scope="module")
 def rendered() -> list[dict[str, Any]]:
-    kubectl = find_kubectl()
-    if kubectl is None:
-        pytest.fail("kubectl not found at .venv/tools/kubectl nor on PATH: run `make test` (it runs `make kubectl`) "
-                    "to install it, then run the tests again")
-    refused = "http://127.0.0.1:9"            # offline: a remote base would fail at once
-    env = {**os.environ, "HTTP_PROXY": refused, "HTTPS_PROXY": refused, "http_proxy": refused,
-           "https_proxy": refused, "NO_PROXY": "", "no_proxy": "", "KUBECONFIG": os.devnull}
-    proc = subprocess.run([kubectl, "kustomize", str(MONITORING)], capture_output=True, text=True, timeout=120,
-                          env=env)
+    proc = subprocess.run([require_kubectl(), "kustomize", str(MONITORING)], capture_output=True, text=True,
+                          timeout=120, env=offline_env())           # offline: a remote base would fail at once
     assert proc.returncode == 0, f"kubectl kustomize deploy/monitoring: {proc.stderr}"
     return [d for d in yaml.safe_load_all(proc.stdout) if d is not None]
 

@@ -19,7 +19,7 @@ from typing import Callable, Iterable, Sequence
 
 from detector.agent.active import ActiveProblems, ConditionStatus
 from detector.core.check import Check
-from detector.core.gpu_health import GpuHealth, gpu_health, gpu_key
+from detector.core.gpu_health import GpuHealth, fuller, gpu_health, gpu_key
 from detector.core.inventory import Inventory
 from detector.core.nodecheck import NodeCheck, NodeView, judge_node
 from detector.core.sweep import CheckRun, Host, SweepResult, run_sweep
@@ -68,6 +68,7 @@ class NodeAgent:
         self.host, self.ruleset = host, ruleset
         self.checks = [c for c in checks if not isinstance(c, NodeCheck)]       # scheduled, in sweeps
         self.node_checks = [c for c in checks if isinstance(c, NodeCheck)]     # judged after every sweep
+        self._scheduled = {c.name for c in self.checks}
         self.sinks = list(sinks)
         self.settings = settings or AgentSettings()
         self.clock = clock
@@ -129,9 +130,11 @@ class NodeAgent:
         if fresh_inventory:
             self._inventory = (time.monotonic(), result.inventory)
             for gpu in result.inventory.gpus:
-                self._known_gpus[gpu_key(gpu.ref())] = _keep_known(gpu.ref(), self._known_gpus.get(gpu_key(gpu.ref())))
+                key, before = gpu_key(gpu.ref()), self._known_gpus.get(gpu_key(gpu.ref()))
+                # a GPU NVML lost reads without its UUID: the one known before goes on naming it
+                self._known_gpus[key] = fuller(gpu.ref(), before) if before else gpu.ref()
                 if gpu.identity.serial:
-                    self._serials[gpu_key(gpu.ref())] = gpu.identity.serial
+                    self._serials[key] = gpu.identity.serial
         now, boot = self.clock(), self.host.current_boot()
         changed = self.active.expire(now, boot) | self._take_clear_request()
         problems: list[Problem] = []
@@ -144,7 +147,7 @@ class NodeAgent:
                 self._retry_soon(run)
             else:
                 self._ran.add(run.name)
-        if self.node_checks and self._attempted >= {c.name for c in self.checks}:
+        if self.node_checks and self._attempted >= self._scheduled:
             changed |= self._judge_node(result, problems, now, boot)
         newly_judged = self._judge()
         if changed:
@@ -172,10 +175,9 @@ class NodeAgent:
         """The node checks, once every scheduled check has run: they judge what the others' rules held and
         found. Their runs join the sweep's (metrics), their problems the sweep's; True when held ones changed."""
         names = {c.name for c in self.node_checks}
-        view = NodeView(self.host.node_name, boot, now, self.gpu_health(),
-                        held=[l.problem for k, l in self.active.latches.items()     # seen in this boot: one
-                              if k[1] not in names and l.boot == boot],             # from before a reboot is
-                                                                                    # not this boot's until seen again
+        # Held problems count only once seen in this boot: one from before a reboot is not the new boot's.
+        held = [l.problem for (_, check), l in self.active.latches.items() if check not in names and l.boot == boot]
+        view = NodeView(self.host.node_name, boot, now, self.gpu_health(), held,
                         found=[p for p in problems if p.check not in names], serials=dict(self._serials),
                         node_scoped=self._node_scoped, state_dir=self.settings.state_dir)
         changed = False
@@ -281,13 +283,6 @@ def write_json(path: Path, data: dict) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(json.dumps(data, indent=1))
     os.replace(tmp, path)
-
-
-def _keep_known(ref: GpuRef, before: GpuRef | None) -> GpuRef:
-    """A GPU NVML lost reads without its UUID: the one known before is kept, so reports go on naming it."""
-    if before is None or ref.uuid or not before.uuid:
-        return ref
-    return GpuRef(ref.index, before.uuid, ref.pci_bus_id)
 
 
 def _in_lane(check: Check, long_running: bool | None) -> bool:

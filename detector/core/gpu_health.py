@@ -44,7 +44,7 @@ def gpu_health(gpus: Iterable[GpuRef], problems: Iterable[Problem]) -> list[GpuH
         for ref in problem.gpus:
             key = _match(ref, refs)
             if key:
-                refs[key] = _fuller(refs[key], ref) if key in refs else ref
+                refs[key] = fuller(refs[key], ref) if key in refs else ref
                 naming.setdefault(key, []).append(problem)
     return sorted((_judge(refs[key], naming.get(key, [])) for key in refs),
                   key=lambda h: (h.gpu.index is None, h.gpu.index or 0, h.gpu.pci_bus_id or ""))
@@ -59,8 +59,9 @@ def _match(ref: GpuRef, known: dict[str, GpuRef]) -> str:
     return gpu_key(ref)
 
 
-def _fuller(known: GpuRef, other: GpuRef) -> GpuRef:
-    """What either knows of one GPU: NVML forgets a lost GPU's UUID, a held XID problem still has it."""
+def fuller(known: GpuRef, other: GpuRef) -> GpuRef:
+    """What either knows of one GPU, `known`'s first: NVML forgets a lost GPU's UUID, an earlier inventory
+    or a held XID problem still has it."""
     if (known.uuid or not other.uuid) and (known.pci_bus_id or not other.pci_bus_id):
         return known
     return GpuRef(known.index if known.index is not None else other.index, known.uuid or other.uuid,

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Mapping, Sequence
 
 from detector.core.check import Check, CheckOutput, CheckSkipped
 from detector.core.gpu_health import GpuHealth, gpu_health, gpu_key
-from detector.core.sweep import CheckRun, SweepResult
+from detector.core.sweep import CheckRun, SweepResult, elapsed_ms, finished_run
 from detector.core.types import Problem
 
 if TYPE_CHECKING:
@@ -74,13 +74,7 @@ def judge_node(checks: Sequence[NodeCheck], view: NodeView) -> list[CheckRun]:
         try:
             output = check.judge(view)
         except Exception as e:  # noqa: BLE001 - a broken check is reported, never fatal
-            runs.append(CheckRun(check.name, "error", _ms(t0), f"{type(e).__name__}: {e}"))
+            runs.append(CheckRun(check.name, "error", elapsed_ms(t0), f"{type(e).__name__}: {e}"))
             continue
-        runs.append(CheckRun(check.name, "error" if output.error else "ok", _ms(t0), output.error,
-                             result=output.result, observations=list(output.observations),
-                             summary=output.summary, gauges=check.gauges))
+        runs.append(finished_run(check, output, elapsed_ms(t0)))
     return runs
-
-
-def _ms(t0: float) -> float:
-    return (time.monotonic() - t0) * 1000

@@ -129,10 +129,10 @@ def _run_inline(ctx: SweepContext, check: Check) -> CheckRun:
     try:
         output = check.run(ctx)
     except CheckSkipped as e:
-        return CheckRun(check.name, "skipped", _ms(t0), str(e), retry_after_s=e.retry_after_s)
+        return CheckRun(check.name, "skipped", elapsed_ms(t0), str(e), retry_after_s=e.retry_after_s)
     except Exception as e:  # noqa: BLE001 - a broken check is reported, never fatal
-        return CheckRun(check.name, "error", _ms(t0), f"{type(e).__name__}: {e}")
-    return _finished(check, output, _ms(t0))
+        return CheckRun(check.name, "error", elapsed_ms(t0), f"{type(e).__name__}: {e}")
+    return finished_run(check, output, elapsed_ms(t0))
 
 
 def _run_threaded(ctx: SweepContext, checks: Sequence[Check]) -> list[CheckRun]:
@@ -149,11 +149,12 @@ def _run_threaded(ctx: SweepContext, checks: Sequence[Check]) -> list[CheckRun]:
         except Exception as e:  # noqa: BLE001 - a broken check is reported, never fatal
             runs.append(CheckRun(check.name, "error", p.elapsed_ms, f"{type(e).__name__}: {e}"))
         else:
-            runs.append(_finished(check, output, p.elapsed_ms))
+            runs.append(finished_run(check, output, p.elapsed_ms))
     return runs
 
 
-def _finished(check: Check, output: CheckOutput, duration_ms: float) -> CheckRun:
+def finished_run(check: Check, output: CheckOutput, duration_ms: float) -> CheckRun:
+    """The run a check's output makes: status error when the output says it partly failed."""
     return CheckRun(check.name, "error" if output.error else "ok", duration_ms, output.error,
                     result=output.result, observations=list(output.observations), summary=output.summary,
                     gauges=check.gauges)
@@ -163,5 +164,5 @@ def _no_progress(check: str, message: str) -> None:
     pass
 
 
-def _ms(t0: float) -> float:
+def elapsed_ms(t0: float) -> float:
     return (time.monotonic() - t0) * 1000

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Any, Callable, Mapping
 
 from detector.checks.node.history import HISTORY_FILE, GpuRecord, History, Incident
 from detector.core.check import CheckOutput, ConfigField
@@ -70,7 +71,7 @@ class NodeStateCheck(NodeCheck):
         "retention": ConfigField(float, 90 * DAY, "seconds of history kept (at least both windows)"),
     }
 
-    def __init__(self, config: dict | None = None, clock=time.monotonic):
+    def __init__(self, config: Mapping[str, Any] | None = None, clock: Callable[[], float] = time.monotonic):
         super().__init__(config, clock)
         self._history: History | None = None
         self.warnings: list[str] = []

@@ -203,3 +203,83 @@ def test_kmsg_reader_and_a_rebooting_node_in_two_threads():
     assert len(old) == len(set(old))                          # nothing of the old boot twice
     assert texts(new) == messages(node)                       # the whole new boot, once, in order
     assert reader.stats.reboots == 1
+
+
+
+def _agent_on(node: FakeNode, names: list[str], state_dir=None):
+    from conftest import Clock as ManualClock
+    from detector.agent.agent import AgentSettings, NodeAgent
+    from detector.cli.main import builtin_rules_dir
+    from detector.config import build_checks
+    from detector.core.check import CheckRegistry
+    from detector.rules.loader import load_rules
+    from fake_nvml.host import fake_host
+
+    registry = CheckRegistry.from_entry_points()
+    checks = {c.name: c for c in build_checks(registry, names, {})}
+    rules = load_rules([builtin_rules_dir()], registry.fields_by_check())
+    host = fake_host(node, threaded=False)
+    agent = NodeAgent(host, list(checks.values()), rules,
+                      settings=AgentSettings(start_spread_s=0.0, state_dir=state_dir), clock=ManualClock())
+    return agent, checks, host
+
+
+def _unhealthy(agent) -> list[tuple[int | None, str | None, str]]:
+    return [(h.gpu.index, h.gpu.uuid, h.state) for h in agent.gpu_health() if h.state != "healthy"]
+
+
+def _held(agent) -> set[str]:
+    return {s.type for s in agent.conditions() if s.active}
+
+
+def test_a_sweep_a_reboot_cuts_across_holds_nothing_in_the_boot_that_began(tmp_path):
+    """A fake node can reboot while the agent's sweep reads it (a real one takes the daemon with it).
+    What that sweep saw before the reboot (a GPU off the bus) belongs to the ended boot: it must not be
+    held, or written in the history, as the new boot's; and the GPU keeps its full identity meanwhile."""
+    from detector.checks.node.history import read_history
+
+    node = make_node()
+    first, _, host = _agent_on(node, ["visibility", "xid", "node"], tmp_path)
+    first.run_due()
+    uuid3 = next(h.gpu.uuid for h in first.gpu_health() if h.gpu.index == 3)
+    node.inject(Fault("xid", 3, {"code": 79}))
+    first.clock.now += 60
+    first.run_due()
+    assert _unhealthy(first) == [(3, uuid3, "failed")]
+    host.close()
+
+    # A restart after the fall: NVML no longer tells GPU 3's UUID, the held XID 79 problem does.
+    agent, checks, host = _agent_on(node, ["visibility", "xid", "node"], tmp_path)
+    agent.run_due()
+    assert _unhealthy(agent) == [(3, uuid3, "failed")] and {"GpuXidError", "GpuMissing"} <= _held(agent)
+
+    visibility = checks["visibility"]
+    read = visibility.run
+    visibility.run = lambda ctx: (node.inject(REBOOT), read(ctx))[1]   # after the inventory, before the check
+    agent.run([visibility, checks["xid"]])
+    assert "GpuXidError" not in _held(agent)                            # it ended with its boot; the GPU
+    assert _unhealthy(agent) == [(3, uuid3, "failed")]                   # stays failed until seen again,
+    boots = {b.boot: b.problems for b in read_history(tmp_path)[0].boots}  # by the name it had
+    assert node.boot_id not in boots or boots[node.boot_id] == {}       # nothing charged to the new boot
+
+    visibility.run = read
+    agent.clock.now += 60
+    agent.run_due()
+    assert _unhealthy(agent) == [] and not _held(agent)
+    assert read_history(tmp_path)[0].boots[-1].problems == {}
+    host.close()
+
+
+def test_an_inventory_read_before_a_reboot_is_not_reused_after_it():
+    node = make_node()
+    agent, checks, host = _agent_on(node, ["pcie", "xid"])
+    reads = []
+    count = host.nvml.nvmlDeviceGetCount
+    host.nvml.nvmlDeviceGetCount = lambda: reads.append(1) or count()
+    agent.run([checks["pcie"]])
+    agent.run([checks["xid"]])
+    assert len(reads) == 1                                              # reused while young ...
+    node.inject(REBOOT)
+    agent.run([checks["xid"]])
+    assert len(reads) == 2                                              # ... but never across a reboot
+    host.close()

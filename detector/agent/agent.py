@@ -84,7 +84,7 @@ class NodeAgent:
         self._ran: set[str] = set()
         self._attempted: set[str] = set()     # checks that ran at all, skipped included
         self._judged: set[str] = set()
-        self._inventory: tuple[float, Inventory] | None = None
+        self._inventory: tuple[float, str, Inventory] | None = None
         self._known_gpus: dict[str, GpuRef] = {}   # every GPU seen: one lost from NVML keeps its row
         self._serials: dict[str, str] = {}         # gpu_key -> serial, for histories kept by serial
         self._incidents: dict[str, int] = {}       # gpu_key -> incidents, from the node check
@@ -128,7 +128,7 @@ class NodeAgent:
 
     def _conclude(self, result: SweepResult, fresh_inventory: bool) -> list[Problem]:
         if fresh_inventory:
-            self._inventory = (time.monotonic(), result.inventory)
+            self._inventory = (time.monotonic(), result.boot, result.inventory)
             for gpu in result.inventory.gpus:
                 key, before = gpu_key(gpu.ref()), self._known_gpus.get(gpu_key(gpu.ref()))
                 # a GPU NVML lost reads without its UUID: the one known before goes on naming it
@@ -136,19 +136,24 @@ class NodeAgent:
                 if gpu.identity.serial:
                     self._serials[key] = gpu.identity.serial
         now, boot = self.clock(), self.host.current_boot()
+        # A fake node rebooted during the sweep: what it saw belongs to a boot that is over, so it holds
+        # nothing and says nothing of the new boot (a real node's reboot takes the daemon with it).
+        over = result.boot != boot
         changed = self.active.expire(now, boot) | self._take_clear_request()
         problems: list[Problem] = []
         for run in result.runs:
             found = self.engine.evaluate(_observations(run))
             problems.extend(found)
-            changed |= self.active.update(run.name, run.status == "ok", found, now, boot)
+            if not over:
+                changed |= self.active.update(run.name, run.status == "ok", found, now, boot)
             self._attempted.add(run.name)
             if run.status == "skipped":       # it did not look, so what it judges is not judged yet
                 self._retry_soon(run)
             else:
                 self._ran.add(run.name)
-        if self.node_checks and self._attempted >= self._scheduled:
+        if self.node_checks and self._attempted >= self._scheduled and not over:
             changed |= self._judge_node(result, problems, now, boot)
+        self._learn_identities(l.problem for l in self.active.latches.values())
         newly_judged = self._judge()
         if changed:
             self._save()
@@ -165,6 +170,15 @@ class NodeAgent:
                 sink.events(events)
             sink.sweep(result, problems)
         return problems
+
+    def _learn_identities(self, problems: Iterable[Problem]) -> None:
+        """A held problem that names a GPU by bus id and UUID teaches both: a daemon restarted after the GPU
+        fell off the bus never read its UUID from NVML, and the GPU must not lose it when that problem ends
+        while another (read by bus id alone) still fails it."""
+        for ref in (r for p in problems for r in p.gpus if r.pci_bus_id and r.uuid):
+            before = self._known_gpus.get(ref.pci_bus_id)
+            if before is None or not before.uuid:
+                self._known_gpus[ref.pci_bus_id] = fuller(before, ref) if before else ref
 
     def gpu_health(self) -> list[GpuHealth]:
         """Each GPU's state from the problems held now (conditions, not one-off events), and its incidents."""
@@ -201,8 +215,9 @@ class NodeAgent:
     def _cached_inventory(self, checks: Sequence[Check]) -> Inventory | None:
         if self._inventory is None or any(c.needs_fresh_inventory for c in checks):
             return None
-        read_at, inventory = self._inventory
-        return inventory if time.monotonic() - read_at < self.settings.inventory_max_age_s else None
+        read_at, boot, inventory = self._inventory
+        fresh = time.monotonic() - read_at < self.settings.inventory_max_age_s and boot == self.host.current_boot()
+        return inventory if fresh else None
 
     # -- state ----------------------------------------------------------------------------------
 

@@ -90,6 +90,8 @@ class SweepResult:
     inventory: Inventory
     runs: list[CheckRun]
     started: float
+    boot: str = "current"        # the boot it began in: what it saw is that boot's, even if a fake node
+                                 # reboots before it ends (a real one takes the daemon with it)
 
     @property
     def observations(self) -> list[Observation]:
@@ -105,7 +107,7 @@ def run_sweep(host: Host, checks: Sequence[Check], inventory_timeout_s: float = 
               progress: Callable[[str, str], None] | None = None) -> SweepResult:
     """`inventory`: reuse one read recently (the daemon's fast path for kernel-log wake-ups).
     `progress(check, message)`: what a long check is doing while it runs (diagnose shows it)."""
-    started = time.time()
+    started, boot = time.time(), host.current_boot()
     try:
         pci_gpus, pci_error = nvidia_gpus(host.pci), ""
     except OSError as e:
@@ -121,7 +123,7 @@ def run_sweep(host: Host, checks: Sequence[Check], inventory_timeout_s: float = 
         runs = _run_threaded(ctx, checks)
     else:
         runs = [_run_inline(ctx, check) for check in checks]
-    return SweepResult(host.node_name, inventory, runs, started)
+    return SweepResult(host.node_name, inventory, runs, started, boot)
 
 
 def _run_inline(ctx: SweepContext, check: Check) -> CheckRun:

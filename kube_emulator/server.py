@@ -741,13 +741,14 @@ class Emulator:
         if route.name:   # GET .../nodes/{name}?watch=1: a watch of that one object
             by_name = f"metadata.name={route.name}"
             query["fieldSelector"] = f"{query['fieldSelector']},{by_name}" if query.get("fieldSelector") else by_name
-        render = None
+        render: Callable[[dict[str, Any]], dict[str, Any]] | None = None
         if wants_table(request.headers):   # kubectl get -w: each event's object is a one-row Table
             to_table(kind, [], self.clock(), query)    # a bad includeObject answers 400 before the stream starts
 
-            def render(obj: dict[str, Any]) -> dict[str, Any]:
+            def as_row(obj: dict[str, Any]) -> dict[str, Any]:
                 meta = {"resourceVersion": (obj.get("metadata") or {}).get("resourceVersion", "")}
                 return to_table(kind, [obj], self.clock(), query, meta)
+            render = as_row
         server = self._server
         stream = open_watch(self.store, kind, route.namespace or None, query, lambda: self._server is server,
                             self.bookmark_interval_s, render)

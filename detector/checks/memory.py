@@ -16,7 +16,7 @@ from typing import Any, Callable
 import pynvml
 
 from detector.core.check import Check, CheckOutput, ConfigField, GaugeSpec
-from detector.core.inventory import GpuInfo, _optional
+from detector.core.inventory import _optional
 from detector.core.rates import CounterWindow
 from detector.core.sweep import SweepContext
 from detector.core.types import Observation

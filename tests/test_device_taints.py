@@ -148,9 +148,13 @@ def test_restart_neither_duplicates_nor_orphans(emulator, start, tmp_path):
     assert emulator.request_count(verb="create", resource="devicetaintrules.resource.k8s.io") == 1   # the first run's only
 
 
+def message(local: LocalDaemon, type_: str) -> str:
+    return local.conditions().get(type_, {}).get("message", "")
+
+
 def test_no_resource_slice_no_rule_one_message(emulator, start, caplog):
     caplog.set_level(logging.INFO, logger="gpu_npd.dra")
-    local = start(emulator)
+    local = start(emulator, settings=settings(slice_relist_s=0.2))
     local.node.inject(Fault("xid", gpu=3, params={"code": 79}))
     sink = local.daemon.device_taints
     assert sink is not None
@@ -159,9 +163,20 @@ def test_no_resource_slice_no_rule_one_message(emulator, start, caplog):
     assert local.wait_for(lambda: local.conditions().get("GpuPcieDegraded", {}).get("status") == "True")
     time.sleep(0.5)
     assert rules(emulator) == {}
+    text = (f"DRA device taints: node {NODE} has no ResourceSlice of driver gpu.nvidia.com (is the NVIDIA DRA "
+            "driver running here?): no GPU is tainted")
     said = [r.getMessage() for r in caplog.records if "no ResourceSlice" in r.getMessage()]
-    assert said == [(f"DRA device taints: node {NODE} has no ResourceSlice of driver gpu.nvidia.com (is the "
-                     "NVIDIA DRA driver running here?): no GPU is tainted")]
+    assert said == [text]                                               # once in the log, though retried
+    # ... and in the message of each condition naming an unhealthy GPU, while it holds
+    assert local.wait_for(lambda: message(local, "GpuXidError").endswith(" | " + text)), message(local, "GpuXidError")
+    assert local.wait_for(lambda: message(local, "GpuPcieDegraded").endswith(" | " + text))
+    false = [c["message"] for c in local.conditions().values() if c["status"] == "False"]
+    assert false and not any(text in m for m in false)                  # a false condition says nothing of it
+
+    publish_gpu_slice(emulator, local.node)                             # the DRA driver starts on the node
+    assert local.wait_for(lambda: set(rules(emulator)) == {rule_name(NODE, "gpu-3"), rule_name(NODE, "gpu-5")})
+    assert local.wait_for(lambda: "ResourceSlice" not in message(local, "GpuXidError")), message(local, "GpuXidError")
+    assert "ResourceSlice" not in message(local, "GpuPcieDegraded") and sink.note == ""
 
 
 def test_base_rbac_only_one_error_and_conditions_still_reported(start, caplog):
@@ -178,6 +193,8 @@ def test_base_rbac_only_one_error_and_conditions_still_reported(start, caplog):
         errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
         assert len(errors) == 1, errors
         assert "forbids gpu-npd to list devicetaintrules" in errors[0] and "deploy/overlays/dra-taints" in errors[0]
+        assert local.wait_for(lambda: local.conditions()["GpuXidError"]["message"].endswith(
+            " | DRA device taints: not permitted to list devicetaintrules (403)"))
         assert local.daemon.readiness() == (True, "ok")           # reports reach the API server
         local.stop()
 

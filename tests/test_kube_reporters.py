@@ -172,6 +172,31 @@ def test_condition_message_is_bounded():
     assert len(sent_conditions(api)[0][0]["message"]) == 1024
 
 
+def test_a_gpu_note_ends_the_messages_of_true_conditions_naming_a_gpu_only():
+    api, clock = ScriptedApi(), Clock()
+    r = reporter(api, clock)
+    gpu = ConditionStatus("GpuXidError", True, "Xid79", "x" * 5000, Severity.CRITICAL, names_gpu=True)
+    node_wide = ConditionStatus("GpuMissing", True, "NvmlHung", "NVML hung", Severity.CRITICAL)
+    r.update([gpu, node_wide])
+    r.flush()
+    assert not r.note_gpus("")                                               # no note, nothing new to send
+    note = "DRA device taints: node n1 has no ResourceSlice of driver gpu.nvidia.com: no GPU is tainted"
+    assert r.note_gpus(note)
+    assert r.flush()
+    by_type = {c["type"]: c["message"] for c in sent_conditions(api)[-1]}
+    assert by_type["GpuXidError"].endswith("… | " + note) and len(by_type["GpuXidError"]) == 1024   # kept whole
+    assert by_type["GpuMissing"] == MARKER + "NVML hung"                     # the node's own: no GPU to fence
+    assert not r.note_gpus(note)                                             # the same note: nothing to send
+    r.update([xid(False)])
+    r.flush()
+    assert {c["type"]: c["message"] for c in sent_conditions(api)[-1]}["GpuXidError"] == (
+        MARKER + "no GpuXidError problem found")                             # a false condition: no note
+    r.update([gpu])
+    assert r.note_gpus("")                                                   # fenced after all: the note goes
+    r.flush()
+    assert " | DRA" not in {c["type"]: c["message"] for c in sent_conditions(api)[-1]}["GpuXidError"]
+
+
 # -- events --------------------------------------------------------------------------------------
 
 def events(api: ScriptedApi, clock: Clock, **settings: Any) -> EventReporter:

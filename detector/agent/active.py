@@ -70,6 +70,7 @@ class ConditionStatus:
     message: str
     severity: Severity | None = None
     since: float | None = None            # earliest first match of the active problems
+    names_gpu: bool = False               # a problem behind it names a GPU (not the node as a whole)
 
 
 class ActiveProblems:
@@ -151,7 +152,7 @@ class ActiveProblems:
                 bodies.append(body)
         action = top.action if finding_of(top.message)[1] else "NONE"
         return ConditionStatus(type_, True, top.reason, compose_message(bodies, action, limit, sep=" | "),
-                               top.severity, min(l.first for l in held))
+                               top.severity, min(l.first for l in held), any(l.problem.gpus for l in held))
 
     # -- persistence ----------------------------------------------------------------------------------
 

@@ -90,6 +90,8 @@ class Daemon:
         self.device_taints: DeviceTaintSink | None = None
         if api is not None and self.settings.dra_taints is not None:
             self.device_taints = DeviceTaintSink(api, host.node_name, self.settings.dra_taints, rng=rng)
+            if self.reporter is not None:
+                self.device_taints.on_note = self.reporter.note_gpus
         sinks = [self.metrics, LogSink()] + ([self.reporter] if self.reporter else [])
         sinks += [self.device_taints] if self.device_taints else []
         agent_settings = replace(self.settings.agent,

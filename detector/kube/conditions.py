@@ -12,6 +12,8 @@
 - One node annotation of gpu-npd's own (annotations.py) rides in the same PATCH (the status subresource
   takes metadata.annotations for Nodes): sent only when its value differs from what the node has (read
   on start) or was last sent, so a heartbeat never carries it; removed with null only if it is there.
+- A GPU note (`note_gpus`: why an unhealthy GPU is not fenced, say no ResourceSlice for DRA device
+  taints) ends the message of every true condition whose problems name a GPU, while it holds.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ class ConditionReporter:
         self._sent: dict[str, _Sent] = {}
         self._stale: set[str] = set()           # ours on the node, produced by no rule now: delete
         self._dirty = False
+        self._gpu_note = ""
         self._annotation: object = _UNJUDGED    # the value wanted: a string, None (absent) or _UNJUDGED
         self._annotation_sent: str | None = None   # on the node, as read on start or last sent
         self._annotation_written = False
@@ -99,12 +102,19 @@ class ConditionReporter:
             changed, self._annotation = value != self._annotation, value
             return changed
 
+    def note_gpus(self, note: str) -> bool:
+        """A note for the conditions that name a GPU ("" for none); True when something must be sent."""
+        with self._lock:
+            self._gpu_note = note
+            self._dirty = self._dirty or any(self._differs(t, s) for t, s in self._desired.items())
+            return self._dirty
+
     def _annotation_due(self) -> bool:
         return self._annotation is not _UNJUDGED and self._annotation != self._annotation_sent
 
     def _differs(self, type_: str, s: ConditionStatus) -> bool:
         sent = self._sent.get(type_)
-        return sent is None or (sent.status, sent.reason, sent.message) != _wire(s)
+        return sent is None or (sent.status, sent.reason, sent.message) != _wire(s, self._gpu_note)
 
     # -- output ---------------------------------------------------------------------------------
 
@@ -152,7 +162,7 @@ class ConditionReporter:
         conditions: list[dict[str, Any]] = []
         sent: dict[str, _Sent] = {}
         for type_, s in sorted(self._desired.items()):
-            status, reason, message = _wire(s)
+            status, reason, message = _wire(s, self._gpu_note)
             before = self._sent.get(type_)
             transition = before.transition if before and before.status == status else stamp
             sent[type_] = _Sent(status, reason, message, transition)
@@ -170,8 +180,11 @@ class ConditionReporter:
             return {t: (s.status, s.reason) for t, s in self._sent.items()}
 
 
-def _wire(s: ConditionStatus) -> tuple[str, str, str]:
+def _wire(s: ConditionStatus, gpu_note: str = "") -> tuple[str, str, str]:
+    """The condition as sent; a GPU note is kept whole, the problems' text is cut to make room."""
+    suffix = f" | {gpu_note[:MESSAGE_LIMIT // 2]}" if gpu_note and s.active and s.names_gpu else ""
+    room = MESSAGE_LIMIT - len(suffix)
     message = MARKER + s.message
-    if len(message) > MESSAGE_LIMIT:
-        message = message[: MESSAGE_LIMIT - 1] + "…"
-    return ("True" if s.active else "False"), s.reason, message
+    if len(message) > room:
+        message = message[: room - 1] + "…"
+    return ("True" if s.active else "False"), s.reason, message + suffix

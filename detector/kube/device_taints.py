@@ -23,7 +23,8 @@ API shapes used (resource.k8s.io; the same at v1alpha3, Kubernetes 1.33-1.35, an
 The version is discovered, never assumed: /apis/resource.k8s.io lists the versions (preferred first);
 the first whose APIResourceList has devicetaintrules is used for rules, the first with resourceslices for
 slices. When the cluster serves no DeviceTaintRule, or this node has no slice of the driver, that is said
-once (the log and `note`) and nothing else is done.
+once in the log, and `note` (which the daemon appends to the message of each true condition naming a GPU,
+while it holds) says why the GPU is not tainted; nothing else is done.
 
 Names are deterministic (`gpu-npd-<node>-<device>`, DNS-1123, shortened with a hash when long), and
 every rule carries the labels `gpu-npd.io/managed-by=gpu-npd` and `gpu-npd.io/node=<node>`: a restarted
@@ -33,7 +34,8 @@ while it was down), so restarts neither duplicate nor orphan rules.
 The sink never blocks the agent: `gpus()` records the desired state (latest wins) and wakes the sender
 thread (`run`), which does the API work with backoff. Its requests go through a client of its own with
 no ApiHealth: a missing permission (the base RBAC does not grant these) is one error in the log naming
-the overlay or Helm value that grants it, and conditions, events and /readyz are unaffected.
+the overlay or Helm value that grants it (and the note), and conditions, events and /readyz are reported
+as before.
 """
 
 from __future__ import annotations
@@ -143,7 +145,8 @@ class DeviceTaintSink(AgentSink):
         self._heard = False
         self._retry_at = 0.0
         self.off = False                      # the cluster serves no DeviceTaintRule: nothing to do, ever
-        self.note = ""                        # why nothing is tainted, for a person (empty when all is well)
+        self._note = ""                       # why a GPU is not tainted, for a person ("" when all is well)
+        self.on_note: Callable[[str], None] | None = None   # told each change of the note (the conditions)
         self.rule_version: str | None = None
         self.slice_version: str | None = None
         self._devices: dict[str, _Device] | None = None     # "uuid:..."/"bus:..." -> device; None: not listed
@@ -153,6 +156,16 @@ class DeviceTaintSink(AgentSink):
         self._refused: set[str] = set()
         self._started = clock()
         self._adopted: set[str] = set()       # rules found on start, not yet confirmed or deleted
+
+    @property
+    def note(self) -> str:
+        return self._note
+
+    @note.setter
+    def note(self, text: str) -> None:
+        changed, self._note = text != self._note, text
+        if changed and self.on_note is not None:
+            self.on_note(text)
 
     # -- the sink (the agent's thread: never waits on the API server) -----------------------------
 
@@ -275,7 +288,7 @@ class DeviceTaintSink(AgentSink):
                                "or PCI bus id: not tainted")
         if in_grace and self._adopted:
             return False                            # come back once the grace is over
-        if not missing and self.note.startswith("DRA device taints: node"):
+        if not missing:
             self.note = ""
         return not missing
 

@@ -140,6 +140,11 @@ class KubeReporter(AgentSink):
         if self.condition_out.annotate(unhealthy_gpus_annotation(health)):
             self._pending()
 
+    def note_gpus(self, note: str) -> None:
+        """Why unhealthy GPUs are not fenced ("" once they are), said in the conditions that name GPUs."""
+        if self.condition_out.note_gpus(note):
+            self._pending()
+
     def _pending(self) -> None:
         self.wake.set()
         if self.on_pending:

@@ -21,21 +21,34 @@ class RuleEngine:
         self.ruleset = ruleset
         self._history: dict[str, deque[tuple[float, Any, int, str]]] = defaultdict(
             lambda: deque(maxlen=HISTORY_LIMIT))
+        self._applicable: dict[frozenset[str], list[int]] = {}
+
+    def _rules_for(self, checks: frozenset[str]) -> list[int]:
+        """The rules (by position) that apply to any of these checks: a run of one check is matched
+        against its own rules, not the whole XID catalogue."""
+        found = self._applicable.get(checks)
+        if found is None:
+            found = self._applicable[checks] = [i for i, rule in enumerate(self.ruleset.rules)
+                                                if any(rule.applies_to(c) for c in checks)]
+        return found
 
     def evaluate(self, observations: Iterable[Observation]) -> list[Problem]:
         """One problem per rule that matched, in rule-file order."""
         observations = list(observations)
         rules = self.ruleset.rules
+        applicable = self._rules_for(frozenset(obs.check for obs in observations))
         hits: dict[int, list[Observation]] = defaultdict(list)
         claimed: set[int] = set()                       # observations a non-fallback rule matched
-        for i, rule in enumerate(rules):
+        for i in applicable:
+            rule = rules[i]
             if rule.fallback:
                 continue
             for n, obs in enumerate(observations):
                 if rule.applies_to(obs.check) and rule.when(obs.fields):
                     hits[i].append(obs)
                     claimed.add(n)
-        for i, rule in enumerate(rules):
+        for i in applicable:
+            rule = rules[i]
             if rule.fallback:
                 hits[i] = [obs for n, obs in enumerate(observations)
                            if n not in claimed and rule.applies_to(obs.check) and rule.when(obs.fields)]

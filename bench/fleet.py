@@ -98,9 +98,11 @@ def start_emulator(work: Path) -> tuple[subprocess.Popen, str, Path]:
 
 
 class Simulator:
-    """One `gpu-npd simulate --shard K/N` process; its progress lines are kept to see when it started."""
+    """One `gpu-npd simulate --shard K/N` process; its progress lines are kept to see when it started, and
+    its log (warnings and errors) goes to `log`, beside the fleet file."""
 
     def __init__(self, args: argparse.Namespace, fleet: Path, kubeconfig: Path, shard: int):
+        self.log = fleet.parent / f"simulator-{shard}.log"
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "detector.cli.main", "simulate", "--fleet", str(fleet), "--kubeconfig",
              str(kubeconfig), "--shard", f"{shard}/{args.shards}", "--listen", "127.0.0.1:0",
@@ -114,10 +116,13 @@ class Simulator:
 
     def _read(self) -> None:
         assert self.proc.stderr is not None
-        for line in self.proc.stderr:
-            self.lines.append(line.rstrip())
-            if STARTED in line:
-                self.started.set()
+        with self.log.open("w") as log:
+            for line in self.proc.stderr:
+                log.write(line)
+                log.flush()
+                self.lines.append(line.rstrip())
+                if STARTED in line:
+                    self.started.set()
 
     def cpu_s(self) -> float:
         times = self.process.cpu_times()
@@ -291,6 +296,9 @@ def run(args: argparse.Namespace, url: str, admin_kubeconfig: Path, work: Path, 
     }
     print(json.dumps(figures))
     ok = visible_at and healed_at and not (lost or duplicate or unexpected or uncleared or unrecorded)
+    if not ok:
+        for sim in simulators:
+            say(f"{sim.log} ({len(sim.lines)} lines), its last ones:\n  " + "\n  ".join(sim.lines[-15:]))
     return 0 if ok else 1
 
 

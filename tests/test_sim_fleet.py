@@ -161,6 +161,27 @@ def test_adopting_existing_kwok_nodes(emulator, tmp_path):
         fleet.stop()
 
 
+def test_fleet_nodes_poll_slowly_and_a_fleet_file_overrides_one_setting_at_a_time(emulator, tmp_path):
+    """Injections run the checks at once, so a fleet's nodes poll every 5 minutes (thermal every minute,
+    its window needs samples); a fleet file's setting for a check changes only what it names."""
+    kubeconfig = emulator.write_kubeconfig(tmp_path / "sim.kubeconfig", user=SIMULATOR_USER)
+    registry = CheckRegistry.from_entry_points()
+    fleet = Fleet(fleet_from_dict({"version": 1, "nodes": [{"scenario": "h100-sxm-8", "count": 1}],
+                                   "checks": {"visibility": {"timeout": 5}, "pcie": {"interval": 30}}},
+                                  registry=registry),
+                  KubeApi.from_kubeconfig(str(kubeconfig), qps=100, burst=100),
+                  load_rules([builtin_rules_dir()], registry.fields_by_check()), registry, FleetSettings(workers=1))
+    fleet.start()
+    try:
+        [node] = fleet.nodes.values()
+        intervals = {c.name: c.interval_s for c in node.agent.checks}
+        assert intervals["thermal"] == 60.0 and intervals["pcie"] == 30.0
+        assert intervals["visibility"] == intervals["xid"] == intervals["nvlink"] == 300.0
+        assert {c.name: c.timeout_s for c in node.agent.checks}["visibility"] == 5.0
+    finally:
+        fleet.stop()
+
+
 class Counting(Task):
     def __init__(self, clock, period: float | None, seconds: float = 0.0):
         super().__init__()

@@ -21,7 +21,7 @@ from detector.daemon.local import REPO_DEPLOY
 from detector.kube.api import KubeApi
 from detector.rules.loader import load_rules
 from detector.sim.faultlog import FaultLog
-from detector.sim.fleet import KWOK_ANNOTATION, Fleet, FleetSettings
+from detector.sim.fleet import KWOK_ANNOTATION, Fleet, FleetSettings, fleet_check_defaults
 from detector.sim.fleetfile import fleet_from_dict
 from detector.sim.scheduler import Scheduler, Task
 from kube_emulator import Emulator
@@ -178,6 +178,7 @@ def test_fleet_nodes_poll_slowly_and_a_fleet_file_overrides_one_setting_at_a_tim
         assert intervals["thermal"] == 60.0 and intervals["pcie"] == 30.0
         assert intervals["visibility"] == intervals["xid"] == intervals["nvlink"] == 300.0
         assert {c.name: c.timeout_s for c in node.agent.checks}["visibility"] == 5.0
+        assert fleet_check_defaults(registry)["nccl"] == {"interval": 6 * 3600.0}   # a longer one is kept
     finally:
         fleet.stop()
 

@@ -38,17 +38,24 @@ SCENARIO_LABEL = key("scenario")
 RACK_LABEL = key("rack")
 # Every fault in a fleet is injected, and an injection runs the node's checks at once (as a kernel line
 # wakes the daemon), so polling only follows what changes with time (ECC or NVLink counters rising, a
-# throttle duty cycle): every 5 minutes, thermal every minute (its 600 s window needs 6 samples). One
-# process plays thousands of nodes on one core: at the daemon's own intervals an 8-GPU fake node's checks
-# cost about 1.5 CPU-s per hour, 3 cores for 7,500 nodes, and the scheduler would fall further behind
-# every minute (faults then show late or not at all); at these, about 0.3 CPU-s, 0.6 of a core. A fleet
-# file's `checks:` overrides any of them.
+# throttle duty cycle): every 5 minutes, or the check's own interval where that is longer; thermal every
+# minute (its 600 s window needs 6 samples). One process plays thousands of nodes on one core: at the
+# daemon's own intervals an 8-GPU fake node's checks cost about 1.5 CPU-s per hour, 3 cores for 7,500
+# nodes, and the scheduler would fall further behind every minute (faults then show late or not at all);
+# at these, about 0.3 CPU-s, 0.6 of a core. A fleet file's `checks:` overrides any of them.
 FLEET_POLL_S = 300.0
-FLEET_CHECK_DEFAULTS: dict[str, dict[str, Any]] = {
-    **{name: {"interval": FLEET_POLL_S} for name in
-       ("visibility", "pcie", "xid", "memory", "nvlink", "fabric", "infiniband", "driver")},
-    "thermal": {"interval": 60.0},
-}
+FLEET_INTERVALS_S = {"thermal": 60.0}
+
+
+def fleet_check_defaults(registry: CheckRegistry) -> dict[str, dict[str, Any]]:
+    """The interval of every scheduled check in a fleet (see FLEET_POLL_S)."""
+    defaults = {}
+    for name in registry.names():
+        cls = registry.get(name)
+        if cls.scheduled:
+            interval = FLEET_INTERVALS_S.get(name, max(cls.default_interval_s, FLEET_POLL_S))
+            defaults[name] = {"interval": interval}
+    return defaults
 
 
 @dataclass
@@ -154,8 +161,9 @@ class Fleet:
         self.nodes: dict[str, SimNode] = {}
         self.started_at = clock()
         self._owned_types = sorted(ruleset.types())
-        self._check_settings = {name: {**FLEET_CHECK_DEFAULTS.get(name, {}), **(spec.check_settings.get(name) or {})}
-                                for name in {*FLEET_CHECK_DEFAULTS, *spec.check_settings}}
+        defaults = fleet_check_defaults(registry)
+        self._check_settings = {name: {**defaults.get(name, {}), **(spec.check_settings.get(name) or {})}
+                                for name in {*defaults, *spec.check_settings}}
         self._agent_settings = replace(self.settings.agent, state_dir=None,
                                        message_limit=min(self.settings.agent.message_limit,
                                                          MESSAGE_LIMIT - len(MARKER)))

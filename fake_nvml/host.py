@@ -65,4 +65,5 @@ def fake_host(node: FakeNode, *, sysfs_root: Path | None = None, smi_command: li
                 nccl_probe=FakeNcclProbe(node))
     host.infiniband = sysfs_infiniband(sysfs_root) if sysfs_root else fake_infiniband(node)
     host.system = fake_system(node)
+    host.uptime_s = node.uptime_s
     return host

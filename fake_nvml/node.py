@@ -15,6 +15,7 @@ from fake_nvml.infiniband import FakeIbPort, ports_from_dicts
 from fake_nvml.models import GpuModel, model_by_key
 
 Clock = Callable[[], float]
+UP_BEFORE_START_S = 3600.0      # how long a fake node has been up when it is built (see FakeNode.uptime_s)
 
 
 @dataclass
@@ -197,6 +198,7 @@ class FakeNode:
         self._clock = clock
         self._started = clock()          # the timeline counts from here, across reboots
         self._boot_started = self._started
+        self._first_boot = True          # the boot the node was built in (see uptime_s)
         self._timeline = sorted(timeline or [], key=lambda t: t.at_s)
         self._kernel: list[KernelRecord] = []
         self._xids: list[XidEvent] = []
@@ -275,6 +277,13 @@ class FakeNode:
     def uptime_usec(self) -> int:
         return int((self._clock() - self._boot_started) * 1e6)
 
+    def uptime_s(self) -> float:
+        """Seconds since this boot as the node itself would say: a fake node starts as a node that has been
+        up for an hour (its links trained long ago), and a `reboot` fault starts a boot at 0."""
+        with self._lock:
+            before = UP_BEFORE_START_S if self._first_boot else 0.0
+            return before + self._clock() - self._boot_started
+
     def _log_driver_load(self) -> None:
         """What the driver prints when it loads: its version and each GPU's bus id and UUID."""
         if not self._state.driver_loaded:
@@ -330,6 +339,7 @@ class FakeNode:
             self._state.boot_id = str(uuid.uuid4())
             self._kernel = []
             self._boot_started = self._clock()
+            self._first_boot = False
             self._log_driver_load()
             self._kernel_logged.notify_all()
 

@@ -227,13 +227,13 @@ def test_missing_uvm_module_is_critical_while_nvml_still_works(registry):
 def test_no_driver_at_all_is_left_to_the_visibility_check(registry):
     out = driver("h100-sxm-8-no-driver", registry)
     assert out.problems == []
-    assert node_fields(out)["modules_missing"] == "nvidia,nvidia_uvm,nvidia_modeset"
+    assert node_fields(out)["modules_missing"] == "nvidia,nvidia_uvm"
 
 
 def test_nouveau_is_a_conflict_and_peermem_is_only_reported(registry):
     out = driver("h100-sxm-8-modules-nouveau", registry)
     assert out.rules() == {"driver-conflicting-module"}
-    assert node_fields(out)["modules_optional"] == "nvidia_peermem=loaded,nvidia_drm=loaded"
+    assert node_fields(out)["modules_optional"] == "nvidia_modeset=loaded,nvidia_drm=loaded,nvidia_peermem=loaded"
     node = node_for("h100-sxm-8")
     node.inject(Fault("module_unloaded", params={"module": "nvidia_peermem"}))
     out = diagnose_host(fake_host(node), registry, checks=["driver"])
@@ -345,3 +345,17 @@ def test_daemon_sets_and_clears_the_driver_condition(running):
     assert condition["reason"] == "DriverModulesMissing" and "nvidia_uvm" in condition["message"]
     local.node.inject(Fault("recover"))
     assert local.wait_for(lambda: status() == "False", 10), local.conditions()
+
+
+def test_a_compute_node_without_modeset_or_drm_is_healthy(registry):
+    """A real H100 node ran CUDA with nvidia and nvidia_uvm alone (../shared/real-machines/h100-vm-580,
+    proc-modules.txt): display modules are reported, required only where a setting says so."""
+    node = node_for("h100-sxm-8")
+    for module in ("nvidia_drm", "nvidia_modeset"):
+        node.inject(Fault("module_unloaded", params={"module": module}))
+    out = diagnose_host(fake_host(node), registry, checks=["driver"])
+    assert out.problems == []
+    assert "nvidia_modeset=not_loaded" in node_fields(out)["modules_optional"]
+    out = diagnose_host(fake_host(node), registry, checks=["driver"],
+                        settings={"driver": {"required_modules": ["nvidia", "nvidia_uvm", "nvidia_modeset"]}})
+    assert out.rules() == {"driver-modules-missing"} and node_fields(out)["modules_missing"] == "nvidia_modeset"

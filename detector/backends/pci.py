@@ -8,6 +8,7 @@ from typing import Protocol
 
 NVIDIA_VENDOR = 0x10DE
 DISPLAY_CLASSES = (0x0300, 0x0302)     # VGA controller, 3D controller; NVSwitches are 0x0680 (bridge)
+NVSWITCH_CLASS = 0x0680                # PCI class bridge/other, the class NVSwitches report (class_code >> 8)
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,11 @@ class PciDevice:
 
 class PciBus(Protocol):
     def devices(self) -> list[PciDevice]: ...
+
+
+def nvswitch_count(bus: PciBus) -> int:
+    """NVSwitches on the node's own PCI bus (HGX/DGX boards); raises OSError when the bus is unreadable."""
+    return sum(1 for d in bus.devices() if d.vendor == NVIDIA_VENDOR and d.class_code >> 8 == NVSWITCH_CLASS)
 
 
 def nvidia_gpus(bus: PciBus) -> list[PciDevice]:

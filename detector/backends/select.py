@@ -4,6 +4,7 @@ never falls back to a fake on its own."""
 from __future__ import annotations
 
 import socket
+import time
 from pathlib import Path
 from typing import Any
 
@@ -63,7 +64,16 @@ def _real_host(node_name: str, sysfs_root: Path, nvidia_smi: str, kernel_cursor:
                 close=_shutdown(pynvml) if init_error is None else (lambda: None))
     host.infiniband = sysfs_infiniband(sysfs_root)
     host.system = host_system(sysfs_root)
+    host.uptime_s = _uptime
     return host
+
+
+def _uptime() -> float | None:
+    import psutil
+    try:
+        return max(0.0, time.time() - psutil.boot_time())
+    except (OSError, RuntimeError):
+        return None
 
 
 def live_kernel_log(start: str = "beginning", cursor_file: Path | None = None) -> tuple[str, Any]:

@@ -79,9 +79,11 @@ class DriverCheck(Check):
         "device_file_present": "gpu: whether that entry exists (null: unknown)",
     }
     config_fields = {
-        "required_modules": ConfigField(list, ["nvidia", "nvidia_uvm", "nvidia_modeset"],
-                                        "kernel modules that must be loaded"),
-        "optional_modules": ConfigField(list, ["nvidia_peermem", "nvidia_drm"],
+        # Only what compute cannot work without: a real H100 node ran CUDA with nvidia and nvidia_uvm alone.
+        "required_modules": ConfigField(list, ["nvidia", "nvidia_uvm"],
+                                        "kernel modules that must be loaded (add nvidia_modeset, nvidia_drm or "
+                                        "nvidia_peermem where this site's nodes need them)"),
+        "optional_modules": ConfigField(list, ["nvidia_modeset", "nvidia_drm", "nvidia_peermem"],
                                         "kernel modules reported when loaded, never required"),
         "conflicting_modules": ConfigField(list, ["nouveau"], "kernel modules that must not be loaded"),
         "required_device_files": ConfigField(list, ["nvidiactl", "nvidia-uvm"],

@@ -26,12 +26,11 @@ from typing import Any, Callable
 
 import pynvml
 
-from detector.backends.pci import NVIDIA_VENDOR
+from detector.backends.pci import nvswitch_count
 from detector.core.check import Check, CheckOutput, GaugeSpec
 from detector.core.sweep import SweepContext
 from detector.core.types import Observation
 
-NVSWITCH_CLASS = 0x0680          # PCI class bridge/other, the class NVSwitches report (class_code >> 8)
 STATES = {pynvml.NVML_GPU_FABRIC_STATE_NOT_SUPPORTED: "not_supported",
           pynvml.NVML_GPU_FABRIC_STATE_NOT_STARTED: "not_started",
           pynvml.NVML_GPU_FABRIC_STATE_IN_PROGRESS: "in_progress",
@@ -152,8 +151,7 @@ def _fabric_info(nvml: Any, handle: Any) -> tuple[Any, bool]:
 def _node_fields(ctx: SweepContext) -> tuple[dict[str, Any], str]:
     note = ""
     try:
-        nvswitches: int | None = sum(1 for d in ctx.host.pci.devices()
-                                     if d.vendor == NVIDIA_VENDOR and d.class_code >> 8 == NVSWITCH_CLASS)
+        nvswitches: int | None = nvswitch_count(ctx.host.pci)
     except OSError as e:
         nvswitches, note = None, f"PCI bus unreadable: {e}"
     running: bool | None = None

@@ -1,47 +1,47 @@
-"""NVLink health: each GPU's links, up or down, against what its model should have, and the links' error
-counters (replay, recovery, CRC) judged as rates over a window, not as totals since the driver loaded.
+"""NVLink health: each GPU's links, up or down, against what this machine shows it should have, and the
+links' error counters (replay, recovery, CRC) judged as rates over a window, not as totals since the
+driver loaded.
 
 NVML facts this follows (NVML API reference and change log, docs.nvidia.com/deploy/nvml-api):
 - nvmlDeviceGetNvLinkState(handle, link) for link < NVML_NVLINK_MAX_LINKS (36 in nvidia-ml-py 13, an upper
   bound over all architectures): NotSupported on a GPU without NVLink, InvalidArgument (some drivers:
-  NotSupported) for an index past the GPU's own links; both mean "no such link here".
+  NotSupported) for an index past the GPU's own links; both mean "no such link here". A real H100 SXM5
+  passed alone into a VM answers NotSupported on all 18 of its links (../shared/real-machines/h100-vm-580).
 - Counters: driver 525 replaced the per-lane field ids with NVML_FI_DEV_NVLINK_ERROR_DL_REPLAY / _RECOVERY /
   _CRC, scopeId = link, so one nvmlDeviceGetFieldValues call reads every link's counters (each value
   carries its own return code). The data-CRC counter has no field id; nvmlDeviceGetNvLinkErrorCounter
   (NVML_NVLINK_ERROR_DL_CRC_DATA) reads it, and reads all four on drivers without the field ids. Blackwell
   removed both (change log v560->v565): there the counters are reported as not_supported.
-- Links per GPU: V100 SXM2 6 (NVLink 2), A100 SXM4 12 (NVLink 3), H100/H200 SXM 18 (NVLink 4), B200 18
-  (NVLink 5) (NVIDIA NVLink pages; Fabric Manager user guide, HGX baseboard topologies). A PCIe card has
-  NVLink only through an optional bridge, so nothing is expected of it unless `expected_links` says so.
+
+Which links should be up comes from the machine, never from a model's data sheet alone:
+- the `expected_links` setting, when set;
+- else, on a node that shows NVLink is in use (NVSwitches on its PCI bus, or a GPU with a link up now or
+  earlier in this boot), every link NVML reports for the GPU, and as many as the node's GPUs of the same
+  model report (an 8-GPU NVSwitch board whose GPU trained none is critical);
+- else (a GPU alone, a PCIe card without a bridge) none: NVML reporting links inactive there means
+  nothing is connected. NVIDIA/NVSentinel#1481 had DCGM call all 12 links of a lone A100 PCIe down.
+A down link is critical only once held down for `debounce` seconds: NVLinks are briefly down after every
+boot while they train, and a single reading raised fatal alarms on 214 of 288 GB200 nodes, none faulty
+(NVIDIA/NVSentinel#1701, fixed by a consecutive-poll debounce in #1715). A link first seen down when
+the node has been up longer than the debounce had all that time to train, so it counts as held.
 Verdicts are in rules/nvlink.yaml.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import pynvml
 
+from detector.backends.pci import nvswitch_count
 from detector.core.check import Check, CheckOutput, ConfigField, GaugeSpec
 from detector.core.inventory import GpuInfo
 from detector.core.rates import CounterWindow
 from detector.core.sweep import SweepContext
 from detector.core.types import Observation
 
-# PCI device id (the high 16 bits of pciDeviceId) -> (model, NVLinks every board of it has connected).
-EXPECTED_BY_DEVICE_ID: dict[int, tuple[str, int]] = {
-    0x1DB1: ("V100 SXM2 16GB", 6), 0x1DB5: ("V100 SXM2 32GB", 6),
-    0x20B0: ("A100 SXM4 40GB", 12), 0x20B2: ("A100 SXM4 80GB", 12),
-    0x2330: ("H100 SXM5 80GB", 18), 0x2335: ("H200 SXM 141GB", 18), 0x2901: ("B200", 18),
-    0x20F1: ("A100 PCIe 40GB", 0), 0x20B5: ("A100 PCIe 80GB", 0), 0x2331: ("H100 PCIe", 0),
-    0x2321: ("H100 NVL", 0), 0x2684: ("GeForce RTX 4090", 0),
-}
-# NVML device names, for a device id not in the table above (exact names: "NVIDIA H200 NVL" is a PCIe card).
-EXPECTED_BY_NAME: dict[str, int] = {
-    "Tesla V100-SXM2-16GB": 6, "Tesla V100-SXM2-32GB": 6, "NVIDIA A100-SXM4-40GB": 12,
-    "NVIDIA A100-SXM4-80GB": 12, "NVIDIA H100 80GB HBM3": 18, "NVIDIA H200": 18, "NVIDIA B200": 18,
-}
 COUNTERS = ("replay", "recovery", "crc_flit", "crc_data")
 _FIELD_IDS = {"replay": pynvml.NVML_FI_DEV_NVLINK_ERROR_DL_REPLAY, "recovery": pynvml.NVML_FI_DEV_NVLINK_ERROR_DL_RECOVERY,
               "crc_flit": pynvml.NVML_FI_DEV_NVLINK_ERROR_DL_CRC}
@@ -60,15 +60,21 @@ class NvlinkCheck(Check):
     without NVLink is reported as not_supported, never as healthy."""
 
     name = "nvlink"
-    description = "NVLinks per GPU: active vs expected for the model, error counters (replay, recovery, CRC) as rates"
+    description = ("NVLinks per GPU: active vs what the node shows it should have, error counters (replay, recovery, "
+                   "CRC) as rates")
     fields = {
         "scope": "gpu (one per GPU: link counts, error totals and rates) or link (one per link that is down)",
         "nvlink": "supported, or not_supported (NVML answers NotSupported: a PCIe card, GeForce)",
         "link": "scope link: the link's number",
         "link_state": "scope link: inactive",
-        "expected": "scope link: true when this link should be up (its number is below links_expected)",
-        "links_expected": "links that should be up: the model's count or the expected_links setting (null: unknown model)",
+        "expected": "scope link: true when this link should be up (see expected_because)",
+        "down_for_s": "scope link: seconds the link has been down (null: unknown, as in one snapshot)",
+        "held_down": "scope link: down for at least debounce_s (or for an unknown time): no longer a link training",
+        "debounce_s": "scope link: the debounce setting",
+        "links_expected": "links that should be up: from the expected_links setting, or what this node shows "
+                          "(NVSwitches, links up in this boot, the node's GPUs of the same model); 0 on a GPU alone",
         "expected_because": "where links_expected comes from",
+        "links_settling": "expected links down for less than debounce_s (training after a boot, or a flap)",
         "links_reported": "links NVML answers for on this GPU (up or down)",
         "links_active": "links up",
         "links_inactive": "links present but down",
@@ -89,8 +95,12 @@ class NvlinkCheck(Check):
         "links_with_new_errors": "links whose counters rose since the previous run, as '3 (replay +4)' ('' when none)",
     }
     config_fields = {
-        "expected_links": ConfigField(int, -1, "NVLinks that should be up on every GPU (-1: by GPU model; set it for "
-                                               "PCIe cards with NVLink bridges)"),
+        "expected_links": ConfigField(int, -1, "NVLinks that should be up on every GPU (-1: from what the node "
+                                               "shows: NVSwitches, links up, GPUs of the same model)"),
+        # 3 readings at the default 60 s interval: boot-time training is over well within it (NVSentinel#1715
+        # saw every boot transient at one poll), while a link really down is named within minutes.
+        "debounce": ConfigField(float, 180.0, "seconds a link must stay down before it counts as down (links "
+                                              "train after every boot, and a flap comes back)"),
         "window": ConfigField(float, 600.0, "seconds over which NVLink error counters are turned into rates"),
     }
     gauges = {
@@ -106,42 +116,59 @@ class NvlinkCheck(Check):
     def __init__(self, config: dict[str, Any] | None = None, clock: Callable[[], float] = time.monotonic):
         super().__init__(config, clock)
         self._window = CounterWindow(float(self.config["window"]))
-        self._device_ids: dict[str, int | None] = {}            # uuid -> PCI device id, read once
         self._last_links: dict[str, dict[int, dict[str, int]]] = {}
+        self._history = LinkHistory()
 
     def run(self, ctx: SweepContext) -> CheckOutput:
         nvml, now = ctx.host.nvml, self._clock()
+        self._history.start_boot(ctx.host.current_boot())
+        uptime = ctx.host.uptime_s()
         observations, gpus, errors = [], [], []
+        states: dict[int, dict[int, bool]] = {}
         for gpu in ctx.inventory.gpus:
             if gpu.handle is None or gpu.error:
                 continue
             try:
-                fields, per_link, down = self._read(nvml, gpu, now)
+                states[gpu.index] = _link_states(nvml, gpu.handle)
+            except pynvml.NVMLError as e:
+                errors.append(f"GPU {gpu.index}: {e}")
+        read = [g for g in ctx.inventory.gpus if g.index in states]
+        held = {g.index: self._history.observe(g.uuid or str(g.index), states[g.index], now, uptime) for g in read}
+        evidence = _nvlink_evidence(ctx, states, self._history)
+        for gpu in read:
+            expected, because = self._expected(gpu, read, states, evidence)
+            try:
+                fields, per_link = self._read(nvml, gpu, now, states[gpu.index], expected, because)
             except pynvml.NVMLError as e:
                 errors.append(f"GPU {gpu.index}: {e}")
                 continue
-            observations.append(Observation(self.name, fields, gpu.ref()))
-            for link in down:
+            debounce = float(self.config["debounce"])
+            settling = 0
+            for link, down_for in sorted(held[gpu.index].items()):
+                is_expected = link in expected
+                held_down = down_for is None or down_for >= debounce
+                settling += is_expected and not held_down
                 observations.append(Observation(self.name, {
                     "scope": "link", "nvlink": "supported", "link": link, "link_state": "inactive",
-                    "expected": fields["links_expected"] is not None and link < fields["links_expected"],
-                    "links_expected": fields["links_expected"], "expected_because": fields["expected_because"],
-                    "inactive_links": fields["inactive_links"]}, gpu.ref()))
+                    "expected": is_expected, "links_expected": fields["links_expected"], "expected_because": because,
+                    "inactive_links": fields["inactive_links"], "down_for_s": _rounded(down_for),
+                    "held_down": held_down, "debounce_s": debounce}, gpu.ref()))
+            fields["links_settling"] = settling
+            observations.insert(len(observations) - len(held[gpu.index]), Observation(self.name, fields, gpu.ref()))
             gpus.append({"index": gpu.index, "uuid": gpu.uuid, **fields, "links": per_link})
         live = {g.uuid for g in ctx.inventory.gpus if g.uuid}
         self._window.keep_only({(u, c) for u in live for c in RATED})
         self._last_links = {u: v for u, v in self._last_links.items() if u in live}
         return CheckOutput(observations, {"gpus": gpus}, summary=_summary(gpus), error="; ".join(errors))
 
-    def _read(self, nvml: Any, gpu: GpuInfo, now: float) -> tuple[dict[str, Any], list[dict[str, Any]], list[int]]:
+    def _read(self, nvml: Any, gpu: GpuInfo, now: float, states: dict[int, bool], expected: set[int],
+              because: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         fields: dict[str, Any] = dict.fromkeys(self.fields)
-        fields["scope"] = "gpu"
-        fields["links_expected"], fields["expected_because"] = self._expected(nvml, gpu)
-        states = _link_states(nvml, gpu.handle)
         down = [link for link, up in states.items() if not up]
-        fields.update(nvlink="supported" if states else "not_supported", links_reported=len(states),
+        fields.update(scope="gpu", nvlink="supported" if states else "not_supported", links_reported=len(states),
                       links_active=len(states) - len(down), links_inactive=len(down),
-                      inactive_links=", ".join(map(str, down)))
+                      inactive_links=", ".join(map(str, down)), links_expected=len(expected),
+                      expected_because=because)
         source, per_link = _counters(nvml, gpu.handle, sorted(states))
         fields["counters"] = source
         totals = {c: _sum(v.get(c) for v in per_link.values()) for c in COUNTERS}
@@ -159,27 +186,73 @@ class NvlinkCheck(Check):
         fields["links_with_new_errors"] = _new_errors(self._last_links.get(gpu.uuid or "", {}), per_link)
         self._last_links[gpu.uuid or ""] = per_link
         table = [{"link": link, "active": states[link], **per_link.get(link, {})} for link in sorted(states)]
-        return fields, table, down
+        return fields, table
 
-    def _expected(self, nvml: Any, gpu: GpuInfo) -> tuple[int | None, str]:
+    def _expected(self, gpu: GpuInfo, read: list[GpuInfo], states: dict[int, dict[int, bool]],
+                  evidence: str) -> tuple[set[int], str]:
+        """The links of this GPU that should be up, and why: from the setting, or from what this node shows."""
         setting = int(self.config["expected_links"])
         if setting >= 0:
-            return setting, f"{setting} by the expected_links setting"
-        key = gpu.uuid or str(gpu.index)
-        if key not in self._device_ids:
-            try:
-                self._device_ids[key] = nvml.nvmlDeviceGetPciInfo(gpu.handle).pciDeviceId >> 16
-            except pynvml.NVMLError:
-                self._device_ids[key] = None
-        known = EXPECTED_BY_DEVICE_ID.get(self._device_ids[key] or -1)
-        if known is None and gpu.name in EXPECTED_BY_NAME:
-            known = (gpu.name, EXPECTED_BY_NAME[gpu.name])
-        if known is None:
-            return None, f"unknown model {gpu.name!r}: set expected_links to judge its links"
-        model, links = known
-        if links == 0:
-            return 0, f"{model}: no NVLink expected (a PCIe card; set expected_links if it has NVLink bridges)"
-        return links, f"{model} has {links} NVLinks"
+            return set(range(setting)), f"{setting} by the expected_links setting"
+        seen_up = self._history.seen_up.get(gpu.uuid or str(gpu.index), set())
+        if not evidence:
+            return set(seen_up), ("no NVSwitch and no NVLink up on this node: nothing connected, none expected"
+                                  if not seen_up else "the links seen up in this boot")
+        like = [len(states[g.index]) for g in read if g.name == gpu.name]
+        wanted = set(states[gpu.index]) | seen_up
+        wanted |= set(range(max(like, default=0))) if len(wanted) < max(like, default=0) else set()
+        return wanted, (f"{evidence}: every link NVML reports, and as many as the node's other {gpu.name} GPUs "
+                        f"({max(like, default=0)})" if len(like) > 1 else f"{evidence}: every link NVML reports")
+
+
+@dataclass
+class LinkHistory:
+    """What this boot showed of each GPU's links: which were seen up (held as expected from then on, as the
+    InfiniBand check learns its ports), and since when each down link has been down."""
+
+    boot: str = ""
+    seen_up: dict[str, set[int]] = field(default_factory=dict)
+    down_since: dict[tuple[str, int], float | None] = field(default_factory=dict)
+
+    def start_boot(self, boot: str) -> None:
+        if boot != self.boot:
+            self.boot, self.seen_up, self.down_since = boot, {}, {}
+
+    def observe(self, gpu: str, states: dict[int, bool], now: float, uptime: float | None) -> dict[int, float | None]:
+        """Each down link -> seconds it has been down (None: unknown, as in one snapshot). A link never seen up
+        in this boot has been down, as far as anyone can tell, since the boot began."""
+        up = self.seen_up.setdefault(gpu, set())
+        down: dict[int, float | None] = {}
+        for link, is_up in states.items():
+            key = (gpu, link)
+            if is_up:
+                up.add(link)
+                self.down_since.pop(key, None)
+                continue
+            if key not in self.down_since:
+                self.down_since[key] = now if link in up else None if uptime is None else now - uptime
+            since = self.down_since[key]
+            down[link] = None if since is None else max(0.0, now - since)
+        for key in [k for k in self.down_since if k[0] == gpu and k[1] not in down]:
+            del self.down_since[key]
+        return down
+
+
+def _nvlink_evidence(ctx: SweepContext, states: dict[int, dict[int, bool]], history: LinkHistory) -> str:
+    """Why this node is one whose GPUs use NVLink ('' when nothing shows it): NVSwitches on its bus, or links up."""
+    try:
+        switches = nvswitch_count(ctx.host.pci)
+    except OSError:
+        switches = 0
+    if switches:
+        return f"{switches} NVSwitches on the PCI bus"
+    if any(any(links.values()) for links in states.values()) or any(history.seen_up.values()):
+        return "NVLinks up on this node's GPUs in this boot"
+    return ""
+
+
+def _rounded(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds, 1)
 
 
 def _link_states(nvml: Any, handle: Any) -> dict[int, bool]:
@@ -257,10 +330,14 @@ def _summary(gpus: list[dict[str, Any]]) -> str:
         return "no GPU to look at"
     if all(g["nvlink"] == "not_supported" and not g["links_expected"] for g in gpus):
         return "NVLink not supported on these GPUs"
+    if all(not g["links_expected"] and not g["links_active"] for g in gpus):
+        return f"no NVLink expected: {gpus[0]['expected_because']}"
     down = sum(g["links_inactive"] for g in gpus)
     missing = sum(max(0, (g["links_expected"] or 0) - g["links_reported"]) for g in gpus)
     erroring = [str(g["index"]) for g in gpus if any(g[f"{c}_increase"] for c in RATED)]
     text = f"{sum(g['links_active'] for g in gpus)} links up on {len(gpus)} GPUs"
     text += f", {down} down" if down else ""
     text += f", {missing} missing" if missing else ""
+    settling = sum(g["links_settling"] or 0 for g in gpus)
+    text += f" ({settling} down for less than the debounce)" if settling else ""
     return text + (f"; errors rising on GPU {', '.join(erroring)}" if erroring else "")

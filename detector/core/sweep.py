@@ -33,6 +33,7 @@ class Host:
     infiniband: Any = None             # InfiniBand/RoCE ports reader (detector/backends/infiniband.py); None: none
     system: Any = None                 # driver plumbing reader: kernel modules, device files, services
                                        # (detector/backends/system.py); None: not readable here
+    uptime_s: Callable[[], float | None] = lambda: None   # seconds since this boot; None: unknown (a replay)
 
     def current_boot(self) -> str:
         """This boot now: a fake node can reboot under a running agent, a real machine cannot."""

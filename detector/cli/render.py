@@ -17,6 +17,7 @@ class Diagnosis:
     sweep: SweepResult
     problems: list[Problem]
     rules: list[dict] | None = None       # the active rule sets: [{"source", "rules"}]
+    replay: dict | None = None            # --nvml replay:PATH: what was replayed (path, format, driver, judged)
 
     def health(self) -> dict[str, GpuHealth]:
         """Each GPU's state (healthy, degraded, failed) and recommended action from the problems naming
@@ -44,6 +45,7 @@ class Diagnosis:
             "problems": [p.to_dict() for p in self.problems],
             "rules": self.rules,
             "checks": [run.to_dict() for run in self.sweep.runs],
+            **({"replay": self.replay} if self.replay else {}),
         }
 
 
@@ -51,6 +53,9 @@ def render_table(d: Diagnosis) -> str:
     inv = d.sweep.inventory
     lines = [f"node {d.sweep.node}  backend {d.backend}  driver {inv.driver_version or '-'}  "
              f"GPUs {len(inv.gpus)}"]
+    if d.replay:
+        lines.append(f"replay of {d.replay['path']} ({d.replay['format']}, captured {d.replay['captured'] or 'unknown'}): "
+                     f"{d.replay['judged']}")
     if inv.nvml_error == "LibraryNotFound":
         lines.append("NVML: no NVIDIA driver on this machine (LibraryNotFound); GPUs are named by bus id")
     elif inv.nvml_error:

@@ -106,7 +106,7 @@ def test_nvlink_states_come_from_the_listing_by_uuid(tmp_path):
 
 
 def test_a_fragment_says_unknown_never_healthy_or_failed():
-    """The MIG A100 fragment holds ECC only: everything else answers NotSupported."""
+    """The GTX 1070 Ti fragment holds a few fields: everything else answers NotSupported, never 0 or off."""
     import pynvml
     from fake_nvml.replay.load import load_snapshot
     from fake_nvml.replay.nvml import ReplayHandle, ReplayNvml
@@ -118,9 +118,10 @@ def test_a_fragment_says_unknown_never_healthy_or_failed():
     for call, args in [(nvml.nvmlDeviceGetEccMode, ()), (nvml.nvmlDeviceGetRemappedRows, ()),
                        (nvml.nvmlDeviceGetCurrentClocksEventReasons, ()), (nvml.nvmlDeviceGetPowerUsage, ()),
                        (nvml.nvmlDeviceGetPersistenceMode, ()), (nvml.nvmlDeviceGetSerial, ()),
-                       (nvml.nvmlDeviceGetMaxPcieLinkWidth, ()), (nvml.nvmlSystemGetDriverVersion, None)]:
+                       (nvml.nvmlDeviceGetMaxPcieLinkWidth, ()), (nvml.nvmlDeviceGetViolationStatus, (1,))]:
         with pytest.raises(pynvml.NVMLError_NotSupported):
-            call() if args is None else call(handle, *args)
+            call(handle, *args)
+    assert nvml.nvmlSystemGetDriverVersion() == ""
     slots = nvml.nvmlDeviceGetFieldValues(handle, [pynvml.NVML_FI_DEV_GET_GPU_RECOVERY_ACTION,
                                                    pynvml.NVML_FI_DEV_MEMORY_TEMP])
     assert [s.nvmlReturn for s in slots] == [pynvml.NVML_ERROR_NOT_SUPPORTED] * 2
@@ -165,3 +166,31 @@ def test_the_table_says_it_judged_one_snapshot(capsys):
     out = capsys.readouterr().out
     assert "one snapshot: counters and reasons as held at capture" in out
     assert "replay of " in out and "(xml, captured Thu Nov 26 14:07:21 2026)" in out
+
+
+def test_a_capture_without_name_or_uuid_names_the_gpu_by_bus_id(capsys):
+    """`nvidia-smi -q -d MEMORY` prints the GPU header and its memory only: the GPU is named by its bus id,
+    its UUID stays visibly unknown, and nothing it does not print is judged."""
+    code, result = diagnose_json(capsys, "--nvml", f"replay:{FIXTURES / 'text-580-a100-d-memory-head.txt'}",
+                                 "--checks", "driver,fabric,memory,nvlink,pcie,visibility")
+    gpu = result["gpus"][0]
+    assert (gpu["pci_bus_id"], gpu["uuid"], gpu["name"], gpu["error"]) == ("0000:00:04.0", "unknown@0000:00:04.0",
+                                                                          "", None)
+    assert code == 0 and result["problems"] == []
+    driver = next(c for c in result["checks"] if c["name"] == "driver")["result"]
+    assert driver["gpus"][0]["persistence_mode"] == "not_supported"
+    assert driver["gpus"][0]["recovery_action"] == "unknown"
+
+
+def test_a_capture_without_a_driver_version_is_not_an_unusable_nvml(capsys):
+    code, result = diagnose_json(capsys, "--nvml", f"replay:{FIXTURES / 'telegraf-gtx-1070-ti.xml'}",
+                                 "--checks", "driver,memory,pcie,visibility")
+    assert result["nvml_error"] is None and result["driver_version"] == ""
+    assert code == 0 and result["problems"] == []
+    pcie = next(c for c in result["checks"] if c["name"] == "pcie")["result"]["links"][0]
+    assert (pcie["current_gen"], pcie["current_width"], pcie["max_width"]) == (1, 16, None)
+
+
+def test_the_table_shows_an_unknown_pcie_maximum_as_unknown(capsys):
+    main(["diagnose", "-q", "--nvml", f"replay:{FIXTURES / 'telegraf-gtx-1070-ti.xml'}", "--checks", "pcie"])
+    assert "Gen1 x16/x?" in capsys.readouterr().out

@@ -72,7 +72,7 @@ def render_table(d: Diagnosis) -> str:
     for g in inv.gpus:
         link = "-"
         if g.pcie and g.pcie.current_width:
-            link = f"Gen{g.pcie.current_gen} x{g.pcie.current_width}/x{g.pcie.max_width}"
+            link = f"Gen{g.pcie.current_gen or '?'} x{g.pcie.current_width}/x{g.pcie.max_width or '?'}"
         state = reasons.get(g.pci_bus_id, []) if g.pci_bus_id else reasons.get(g.index, [])
         rows.append((str(g.index), g.name or "-", g.pci_bus_id or "-", g.uuid or "-", g.identity.serial or "-",
                      link, _health_cell(health.get(gpu_key(g.ref()))), ",".join(state) or g.error or "ok"))

@@ -101,7 +101,9 @@ class ReplayNvml:
         self._initialised -= 1
 
     def nvmlSystemGetDriverVersion(self) -> str:
-        return _known(self.snapshot.driver_version)
+        """"" where the capture does not print it (a fragment): the checks show an empty version as unknown,
+        where NotSupported would read as NVML itself being unusable."""
+        return self.snapshot.driver_version or ""
 
     def nvmlDeviceGetCount(self) -> int:
         return len(self.gpus)
@@ -118,11 +120,16 @@ class ReplayNvml:
 
     # -- identity and PCIe -------------------------------------------------------------------------
 
+    # Real NVML always has a GPU's name and UUID; a partial capture (`nvidia-smi -q -d MEMORY`) may not print
+    # them. Failing the call would make the GPU look broken, so the name is "" (shown as unknown) and the
+    # UUID a label that says it is unknown and stays distinct per GPU (checks key their windows by UUID).
+
     def nvmlDeviceGetName(self, handle: Any) -> str:
-        return _known(self._gpu(handle).name)
+        return self._gpu(handle).name or ""
 
     def nvmlDeviceGetUUID(self, handle: Any) -> str:
-        return _known(self._gpu(handle).uuid)
+        gpu = self._gpu(handle)
+        return gpu.uuid or f"unknown@{gpu.bus_id}"
 
     def nvmlDeviceGetSerial(self, handle: Any) -> str:
         return _known(self._gpu(handle).serial)

@@ -194,3 +194,27 @@ def test_a_capture_without_a_driver_version_is_not_an_unusable_nvml(capsys):
 def test_the_table_shows_an_unknown_pcie_maximum_as_unknown(capsys):
     main(["diagnose", "-q", "--nvml", f"replay:{FIXTURES / 'telegraf-gtx-1070-ti.xml'}", "--checks", "pcie"])
     assert "Gen1 x16/x?" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("state, status, expected", [
+    ("In Progress", None, (2, 0)),             # NVML_GPU_FABRIC_STATE_IN_PROGRESS, status not read
+    ("Completed", "Success", (3, 0)),
+    ("Completed", "Unknown Error", (3, 999)),   # nvmlErrorString(NVML_ERROR_UNKNOWN) back to its code
+])
+def test_fabric_state_and_status_as_printed_become_nvmls(state, status, expected):
+    """The In Progress section is real (gpu-operator#2511); its GPU header was cut by the grep, so a bus id is
+    given here to ask NVML about it. Completed/Success are the words nvidia-smi prints for the other states."""
+    import ctypes
+    import dataclasses
+
+    import pynvml
+    from fake_nvml.replay.load import load_snapshot
+    from fake_nvml.replay.nvml import ReplayHandle, ReplayNvml
+
+    snapshot = load_snapshot(FIXTURES / "fragment-fabric-in-progress-gpu-operator-2511.txt")
+    gpu = dataclasses.replace(snapshot.gpus[0], bus_id="0000:18:00.0", fabric_state=state, fabric_status=status)
+    nvml = ReplayNvml(dataclasses.replace(snapshot, gpus=(gpu,)))
+    info = pynvml.c_nvmlGpuFabricInfo_t()
+    nvml.nvmlDeviceGetGpuFabricInfo(ReplayHandle(id(nvml), 0), ctypes.byref(info))
+    assert (info.state, info.status) == expected
+    assert snapshot.gpus[0].fabric_state == "In Progress"

@@ -93,7 +93,8 @@ class ReplayNvml:
     def nvmlInit(self) -> None:
         self._initialised += 1
 
-    nvmlInitWithFlags = lambda self, flags=0: self.nvmlInit()   # noqa: E731 - same call
+    def nvmlInitWithFlags(self, flags: int = 0) -> None:
+        self.nvmlInit()
 
     def nvmlShutdown(self) -> None:
         if not self._initialised:

@@ -1,4 +1,4 @@
-"""Turn `--nvml real|fake:NAME|fake:PATH` into a Host. The choice is always explicit: the detector
+"""Turn `--nvml real|fake:NAME|fake:PATH|replay:PATH` into a Host. The choice is always explicit: the detector
 never falls back to a fake on its own."""
 
 from __future__ import annotations
@@ -31,7 +31,23 @@ def open_host(spec: str, *, node_name: str | None = None, sysfs_root: Path | Non
                           kernel_cursor, post_mortem)
     if kind == "fake" and arg:
         return _fake_host(arg, node_name, sysfs_root, nvidia_smi, kernel_cursor)
-    raise BackendError(f"--nvml {spec!r}: expected 'real', 'fake:SCENARIO' or 'fake:PATH.yaml'")
+    if kind == "replay":
+        return _replay_host(arg, node_name)
+    raise BackendError(f"--nvml {spec!r}: expected 'real', 'fake:SCENARIO', 'fake:PATH.yaml' or 'replay:PATH'")
+
+
+def _replay_host(path: str, node_name: str | None) -> Host:
+    """A node rebuilt from what a real machine printed (fake_nvml/replay): one snapshot, judged as held."""
+    from fake_nvml.replay.host import replay_host
+    from fake_nvml.replay.raw import SnapshotError
+
+    if not path.strip():
+        raise BackendError("--nvml replay: name a file or folder: replay:PATH, where PATH is nvidia-smi -q (or -q -x) "
+                           "output or a folder holding nvidia-smi-q.xml or nvidia-smi-q.txt")
+    try:
+        return replay_host(Path(path), node_name)
+    except SnapshotError as e:
+        raise BackendError(f"--nvml replay: {e}") from None
 
 
 def _real_host(node_name: str, sysfs_root: Path, nvidia_smi: str, kernel_cursor: Path | None,

@@ -27,6 +27,9 @@ from detector.yamlsource import SourceError
 
 EXIT_HEALTHY, EXIT_PROBLEMS, EXIT_USAGE = 0, 1, 2
 BUILTIN_RULES = "builtin"
+# A replayed snapshot is one sample that held for the whole window: its clock event reasons are judged as
+# sustained, not as a window still filling.
+SNAPSHOT_THERMAL = {"min_samples": 1, "min_span": 0.0}
 
 
 class UsageError(Exception):
@@ -88,7 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
                "  gpu-npd diagnose --nvml fake:h100-sxm-8-nvlink-down --checks nccl\n"
                "  gpu-npd scenarios                                  # fake nodes to try")
     d.add_argument("--nvml", default=os.environ.get("GPU_NPD_NVML", "real"), metavar="BACKEND",
-                   help="real, fake:SCENARIO or fake:PATH.yaml (default: $GPU_NPD_NVML or real)")
+                   help="real, fake:SCENARIO, fake:PATH.yaml, or replay:PATH (a saved nvidia-smi -q / -q -x output, "
+                        "or a folder holding one; judged as one snapshot) (default: $GPU_NPD_NVML or real)")
     d.add_argument("--rules", action="append", metavar="PATH",
                    help="rule file or directory, repeatable. '+PATH' adds PATH to the bundled rules; a plain "
                         "PATH replaces them ('builtin' names them, so '--rules builtin --rules PATH' extends "
@@ -218,6 +222,8 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
         if "nccl" not in [n.strip() for n in selected.split(",")]:
             raise UsageError("--nccl-tests and --nccl-size configure the nccl check, which --checks leaves out")
         overrides["nccl"] = _nccl_overrides(args)
+    if args.nvml.startswith("replay:"):
+        overrides["thermal"] = SNAPSHOT_THERMAL      # one snapshot stands for the whole window
     checks = load_selected_checks(registry, selected, args.config, overrides)
     post_mortem = bool(args.kernel_log) and [c.name for c in checks] == ["xid"]
     host = open_host(args.nvml, node_name=args.node_name, sysfs_root=args.sysfs_root, nvidia_smi=args.nvidia_smi,
@@ -229,7 +235,7 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
                                         progress=None if args.quiet else _show_progress)
     finally:
         host.close()
-    diagnosis = Diagnosis(args.nvml, sweep, problems, rule_sources(ruleset))
+    diagnosis = Diagnosis(args.nvml, sweep, problems, rule_sources(ruleset), replay=getattr(host, "replay", None))
     if args.output == "json":
         print(json.dumps(diagnosis.to_dict(), indent=2))
     else:

@@ -17,6 +17,7 @@ class Diagnosis:
     sweep: SweepResult
     problems: list[Problem]
     rules: list[dict] | None = None       # the active rule sets: [{"source", "rules"}]
+    replay: dict | None = None            # --nvml replay:PATH: what was replayed (path, format, driver, judged)
 
     def health(self) -> dict[str, GpuHealth]:
         """Each GPU's state (healthy, degraded, failed) and recommended action from the problems naming
@@ -44,6 +45,7 @@ class Diagnosis:
             "problems": [p.to_dict() for p in self.problems],
             "rules": self.rules,
             "checks": [run.to_dict() for run in self.sweep.runs],
+            **({"replay": self.replay} if self.replay else {}),
         }
 
 
@@ -51,6 +53,9 @@ def render_table(d: Diagnosis) -> str:
     inv = d.sweep.inventory
     lines = [f"node {d.sweep.node}  backend {d.backend}  driver {inv.driver_version or '-'}  "
              f"GPUs {len(inv.gpus)}"]
+    if d.replay:
+        lines.append(f"replay of {d.replay['path']} ({d.replay['format']}, captured {d.replay['captured'] or 'unknown'}): "
+                     f"{d.replay['judged']}")
     if inv.nvml_error == "LibraryNotFound":
         lines.append("NVML: no NVIDIA driver on this machine (LibraryNotFound); GPUs are named by bus id")
     elif inv.nvml_error:
@@ -67,7 +72,7 @@ def render_table(d: Diagnosis) -> str:
     for g in inv.gpus:
         link = "-"
         if g.pcie and g.pcie.current_width:
-            link = f"Gen{g.pcie.current_gen} x{g.pcie.current_width}/x{g.pcie.max_width}"
+            link = f"Gen{g.pcie.current_gen or '?'} x{g.pcie.current_width}/x{g.pcie.max_width or '?'}"
         state = reasons.get(g.pci_bus_id, []) if g.pci_bus_id else reasons.get(g.index, [])
         rows.append((str(g.index), g.name or "-", g.pci_bus_id or "-", g.uuid or "-", g.identity.serial or "-",
                      link, _health_cell(health.get(gpu_key(g.ref()))), ",".join(state) or g.error or "ok"))

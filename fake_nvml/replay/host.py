@@ -1,0 +1,115 @@
+"""Bind a snapshot to the detector's backends: ReplayNvml, the snapshot's GPUs as the PCI bus, its
+nvidia-smi -L listing, the driver plumbing from the side files, no kernel log and no NCCL probe."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from detector.backends.pci import NVIDIA_VENDOR, PciDevice
+from detector.backends.smi import SmiOutcome
+from detector.backends.system import SystemInfo
+from detector.checks.nccl.probe import ProbeRequest, ProbeResult
+from detector.core.check import CheckSkipped
+from detector.core.sweep import Host
+from fake_nvml.replay.load import load_snapshot
+from fake_nvml.replay.nvml import ReplayNvml
+from fake_nvml.replay.raw import SnapshotError
+from fake_nvml.replay.side_files import SideFiles, read_side_files
+from fake_nvml.replay.snapshot import GpuSnapshot, Snapshot
+
+HELD = "one snapshot: counters and reasons as held at capture"
+_SPEEDS = {1: "2.5 GT/s PCIe", 2: "5.0 GT/s PCIe", 3: "8.0 GT/s PCIe", 4: "16.0 GT/s PCIe", 5: "32.0 GT/s PCIe",
+           6: "64.0 GT/s PCIe"}
+_GPU_CLASS = 0x0302          # 3D controller: what a datacenter GPU reports where the snapshot does not print it
+
+
+class ReplayPciBus:
+    """The snapshot's GPUs, and only those. nvidia-smi does not list NVSwitches: `nvswitches_known` says so,
+    for a fabric check that tells an unknown count from none (today it reads 0)."""
+
+    nvswitches_known = False
+
+    def __init__(self, snapshot: Snapshot):
+        self.snapshot = snapshot
+
+    def devices(self) -> list[PciDevice]:
+        return [_device(g) for g in self.snapshot.gpus if g.bus_id]
+
+
+def _device(g: GpuSnapshot) -> PciDevice:
+    return PciDevice(bus_id=str(g.bus_id), vendor=NVIDIA_VENDOR, device=(g.pci_device_id or 0) >> 16,
+                     class_code=(g.pci_class or _GPU_CLASS) << 8, driver="nvidia",
+                     current_link_width=g.pcie_current_width, max_link_width=g.pcie_max_width,
+                     current_link_speed=_SPEEDS.get(g.pcie_current_gen or 0),
+                     max_link_speed=_SPEEDS.get(g.pcie_max_gen or 0))
+
+
+class ReplaySmi:
+    """`nvidia-smi -L` as the captured machine would have printed it, from the same snapshot; nothing else.
+    A partial snapshot cannot say what -L would have listed: it reports itself unavailable."""
+
+    def __init__(self, snapshot: Snapshot):
+        self.snapshot = snapshot
+
+    def run(self, args: list[str], timeout_s: float) -> SmiOutcome:
+        if args != ["-L"]:
+            return SmiOutcome("error", detail=f"a replayed snapshot answers only nvidia-smi -L, not {' '.join(args)}")
+        gpus = self.snapshot.gpus
+        if not self.snapshot.complete or not all(g.uuid and g.name for g in gpus):
+            return SmiOutcome("error", detail="a partial snapshot: what nvidia-smi -L would have listed is unknown")
+        listing = "".join(f"GPU {i}: {g.name} (UUID: {g.uuid})\n" for i, g in enumerate(gpus))
+        return SmiOutcome("ok", 0, listing, "")
+
+
+@dataclass(frozen=True)
+class ReplaySystem:
+    """Driver plumbing from the side files; what they do not hold is None (unknown)."""
+
+    info: SystemInfo
+
+    def read(self) -> SystemInfo:
+        return self.info
+
+
+def system_info(snapshot: Snapshot, side: SideFiles) -> SystemInfo:
+    minors = {str(g.bus_id): g.minor_number for g in snapshot.gpus if g.bus_id and g.minor_number is not None}
+    return SystemInfo(fabric_manager_running=None, modules=side.modules,
+                      kernel_module_version=side.kernel_module_version, kernel_module_flavor=side.kernel_module_flavor,
+                      gpu_minors=minors if snapshot.complete and len(minors) == len(snapshot.gpus) else None,
+                      device_files=side.device_files)
+
+
+class ReplayNcclProbe:
+    name = "replay"
+
+    def run(self, request: ProbeRequest) -> ProbeResult:
+        raise CheckSkipped("a replayed snapshot cannot run an all-reduce")
+
+
+def replay_info(snapshot: Snapshot, side: SideFiles) -> dict[str, Any]:
+    """What diagnose prints about the replay: it judged one snapshot, from which files."""
+    skipped = sum(1 for g in snapshot.gpus if not g.bus_id)
+    info: dict[str, Any] = {"path": snapshot.path, "format": snapshot.form, "captured": snapshot.timestamp,
+                            "driver": snapshot.driver_version, "gpus": len(snapshot.gpus) - skipped,
+                            "attached_gpus": snapshot.attached_gpus, "complete": snapshot.complete,
+                            "side_files": list(side.read), "judged": HELD}
+    if skipped:
+        info["gpus_without_bus_id"] = skipped
+    return info
+
+
+def replay_host(path: Path, node_name: str | None = None) -> Host:
+    snapshot = load_snapshot(path)
+    if not any(g.bus_id for g in snapshot.gpus):
+        raise SnapshotError(f"{snapshot.path}: no GPU with a bus id (a 'GPU 00000000:..' header or <gpu id=..>) "
+                            "in this output: nothing to judge as a node")
+    side = read_side_files(path) if path.is_dir() else SideFiles()
+    nvml = ReplayNvml(snapshot, side.nvlink)
+    nvml.nvmlInit()
+    host = Host(node_name or "replay", nvml, ReplaySmi(snapshot), ReplayPciBus(snapshot), kernel_log=None,
+                boot_id="replay", threaded=False, close=nvml.nvmlShutdown, nccl_probe=ReplayNcclProbe())
+    host.system = ReplaySystem(system_info(snapshot, side))
+    host.replay = replay_info(snapshot, side)          # type: ignore[attr-defined]
+    return host

@@ -1,0 +1,97 @@
+"""The files a capture may hold beside nvidia-smi -q (the layout of ../shared/real-machines/h100-vm-580):
+
+- proc-modules.txt: /proc/modules; proc-driver-nvidia-version.txt: /proc/driver/nvidia/version (both read
+  by the live reader's own parsers, detector/backends/system.py).
+- dev-nvidia.txt: `ls -la /dev/nvidia*` (or `ls /dev/nvidia*`): the /dev entries named nvidia*; the
+  entries inside a listed directory (/dev/nvidia-caps/) are not /dev's own.
+- nvidia-smi-nvlink.txt: `nvidia-smi nvlink -s`: per GPU `GPU 0: NAME (UUID: GPU-...)`, then per link
+  `Link 3: 26.562 GB/s` (active) or `Link 3: <inactive>`. Empty: NVML answered NotSupported for every link.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from detector.backends.system import parse_driver_version, parse_proc_modules
+
+MODULES, VERSION, DEV, NVLINK = "proc-modules.txt", "proc-driver-nvidia-version.txt", "dev-nvidia.txt", "nvidia-smi-nvlink.txt"
+_NVLINK_GPU = re.compile(r"^GPU (\d+): .*?(?:\(UUID: (GPU-[0-9a-fA-F-]+)\))?\s*$")
+_LINK = re.compile(r"^Link (\d+):\s*(.*?)\s*$")
+_LONG_FORMAT = re.compile(r"^[-bcdlps][-rwxsStT]{9}[.+@]?\s")     # `ls -l`: the name is the last field
+
+
+@dataclass(frozen=True)
+class NvlinkListing:
+    """`nvidia-smi nvlink -s` as printed: per GPU (by UUID when printed, else index) link -> active."""
+
+    by_uuid: dict[str, dict[int, bool]]
+    by_index: dict[int, dict[int, bool]]
+    empty: bool                       # printed nothing: NVML has no NVLink to report on this machine
+
+    def links(self, index: int, uuid: str | None) -> dict[int, bool] | None:
+        if uuid and uuid in self.by_uuid:
+            return self.by_uuid[uuid]
+        return None if self.by_uuid else self.by_index.get(index)
+
+
+@dataclass(frozen=True)
+class SideFiles:
+    modules: dict[str, str] | None = None
+    kernel_module_version: str | None = None
+    kernel_module_flavor: str | None = None
+    device_files: frozenset[str] | None = None
+    nvlink: NvlinkListing | None = None
+    read: tuple[str, ...] = ()        # which files were there
+
+
+def read_side_files(folder: Path) -> SideFiles:
+    def text(name: str) -> str | None:
+        path = folder / name
+        return path.read_text(errors="replace") if path.is_file() else None
+
+    modules, version, dev, nvlink = text(MODULES), text(VERSION), text(DEV), text(NVLINK)
+    kernel, flavor = parse_driver_version(version) if version is not None else (None, None)
+    return SideFiles(modules=parse_proc_modules(modules) if modules is not None else None,
+                     kernel_module_version=kernel, kernel_module_flavor=flavor,
+                     device_files=parse_dev_listing(dev) if dev is not None else None,
+                     nvlink=parse_nvlink_status(nvlink) if nvlink is not None else None,
+                     read=tuple(n for n, t in ((MODULES, modules), (VERSION, version), (DEV, dev), (NVLINK, nvlink))
+                                if t is not None))
+
+
+def parse_dev_listing(text: str) -> frozenset[str]:
+    names: set[str] = set()
+    inside_subdir = False
+    for line in text.splitlines():
+        stripped = line.strip()
+        if stripped.endswith(":") and stripped.startswith("/dev/"):
+            inside_subdir = True          # `ls -la /dev/nvidia*` lists a directory's entries under "DIR:"
+            names.add(Path(stripped[:-1]).name)
+            continue
+        if inside_subdir or not stripped or stripped.startswith("total "):
+            continue
+        tokens = [stripped.split()[-1]] if _LONG_FORMAT.match(stripped) else stripped.split()
+        names.update(name for name in (Path(t).name for t in tokens) if name.startswith("nvidia"))
+    return frozenset(names)
+
+
+def parse_nvlink_status(text: str) -> NvlinkListing:
+    by_uuid: dict[str, dict[int, bool]] = {}
+    by_index: dict[int, dict[int, bool]] = {}
+    current: dict[int, bool] | None = None
+    for line in text.splitlines():
+        stripped = line.strip()
+        if gpu := _NVLINK_GPU.match(stripped):
+            current = {}
+            by_index[int(gpu.group(1))] = current
+            if gpu.group(2):
+                by_uuid[gpu.group(2)] = current
+        elif (link := _LINK.match(stripped)) and current is not None:
+            state = link.group(2).lower()
+            if "inactive" in state:
+                current[int(link.group(1))] = False
+            elif re.match(r"^\d+(\.\d+)?\s*[gm]b/s$", state):
+                current[int(link.group(1))] = True
+    return NvlinkListing(by_uuid, by_index, empty=not text.strip())

@@ -25,8 +25,6 @@ def diagnose_json(capsys, *args: str) -> tuple[int, dict]:
     return code, json.loads(out) if out.strip().startswith("{") else {}
 
 
-@pytest.mark.xfail(reason="issue 23: the nvlink check expects 18 links of a one-GPU VM and the driver check wants "
-                          "nvidia_modeset; both are being fixed in those checks", strict=False)
 def test_the_real_healthy_h100_vm_gets_no_problem(capsys):
     """The acceptance verdict: exit 0, no problem."""
     code, result = diagnose_json(capsys, "--nvml", f"replay:{H100}")

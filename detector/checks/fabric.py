@@ -58,7 +58,9 @@ class FabricCheck(Check):
         "health_mask": "gpu: NVML's fabric health mask (null on drivers before 550)",
         "degraded_bandwidth": "gpu: true when the health mask reports the GPU's fabric bandwidth degraded "
                               "(null: not reported)",
-        "not_completed_s": "gpu: seconds this check has seen the registration unfinished (0 once completed)",
+        "not_completed_s": "gpu: seconds this check has seen the registration unfinished (0 once completed; null "
+                           "in one snapshot)",
+        "one_snapshot": "gpu: judged from one saved snapshot (a replay): an unfinished registration counts as held",
         "nvswitches": "node: NVSwitch devices on the PCI bus (null: the bus could not be read)",
         "fabric_manager": "node: running, stopped, or unknown (not readable from here)",
         "fabric_manager_required": "node: true on an NVSwitch system (null: unknown)",
@@ -76,6 +78,7 @@ class FabricCheck(Check):
 
     def run(self, ctx: SweepContext) -> CheckOutput:
         nvml, now = ctx.host.nvml, self._clock()
+        snapshot = ctx.host.snapshot
         observations, gpus, errors = [], [], []
         for gpu in ctx.inventory.gpus:
             if gpu.handle is None or gpu.error:
@@ -86,9 +89,10 @@ class FabricCheck(Check):
                 errors.append(f"GPU {gpu.index}: {e}")
                 continue
             key = gpu.uuid or str(gpu.index)
+            fields["one_snapshot"] = snapshot
             if fields["fabric_state"] in ("not_started", "in_progress"):
                 since = self._unfinished_since.setdefault(key, now)
-                fields["not_completed_s"] = round(now - since, 1)
+                fields["not_completed_s"] = None if snapshot else round(now - since, 1)
             else:
                 self._unfinished_since.pop(key, None)
                 fields["not_completed_s"] = 0.0 if fields["fabric_state"] == "completed" else None
@@ -151,7 +155,9 @@ def _fabric_info(nvml: Any, handle: Any) -> tuple[Any, bool]:
 def _node_fields(ctx: SweepContext) -> tuple[dict[str, Any], str]:
     note = ""
     try:
-        nvswitches: int | None = nvswitch_count(ctx.host.pci)
+        # a snapshot's bus lists its GPUs only: NVSwitches unknown, never "none"
+        nvswitches: int | None = (nvswitch_count(ctx.host.pci) if getattr(ctx.host.pci, "nvswitches_known", True)
+                                  else None)
     except OSError as e:
         nvswitches, note = None, f"PCI bus unreadable: {e}"
     running: bool | None = None

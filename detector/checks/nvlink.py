@@ -64,7 +64,8 @@ class NvlinkCheck(Check):
                    "CRC) as rates")
     fields = {
         "scope": "gpu (one per GPU: link counts, error totals and rates) or link (one per link that is down)",
-        "nvlink": "supported, or not_supported (NVML answers NotSupported: a PCIe card, GeForce)",
+        "nvlink": "supported, not_supported (NVML answers NotSupported: a PCIe card, GeForce, a GPU alone in a VM) "
+                  "or unknown (nothing here can tell: a snapshot without `nvidia-smi nvlink -s`)",
         "link": "scope link: the link's number",
         "link_state": "scope link: inactive",
         "expected": "scope link: true when this link should be up (see expected_because)",
@@ -125,13 +126,24 @@ class NvlinkCheck(Check):
         uptime = ctx.host.uptime_s()
         observations, gpus, errors = [], [], []
         states: dict[int, dict[int, bool]] = {}
+        unknown: list[GpuInfo] = []
         for gpu in ctx.inventory.gpus:
             if gpu.handle is None or gpu.error:
                 continue
             try:
-                states[gpu.index] = _link_states(nvml, gpu.handle)
+                answer = _link_states(nvml, gpu.handle)
             except pynvml.NVMLError as e:
                 errors.append(f"GPU {gpu.index}: {e}")
+                continue
+            if answer is None:
+                unknown.append(gpu)
+            else:
+                states[gpu.index] = answer
+        for gpu in unknown:
+            fields = {**dict.fromkeys(self.fields), "scope": "gpu", "nvlink": "unknown",
+                      "expected_because": "NVLink state cannot be read here"}
+            observations.append(Observation(self.name, fields, gpu.ref()))
+            gpus.append({"index": gpu.index, "uuid": gpu.uuid, **fields, "links": []})
         read = [g for g in ctx.inventory.gpus if g.index in states]
         held = {g.index: self._history.observe(g.uuid or str(g.index), states[g.index], now, uptime) for g in read}
         evidence = _nvlink_evidence(ctx, states, self._history)
@@ -255,12 +267,15 @@ def _rounded(seconds: float | None) -> float | None:
     return None if seconds is None else round(seconds, 1)
 
 
-def _link_states(nvml: Any, handle: Any) -> dict[int, bool]:
-    """link -> up, for every link the GPU has; {} when it has no NVLink."""
+def _link_states(nvml: Any, handle: Any) -> dict[int, bool] | None:
+    """link -> up, for every link the GPU has; {} when it has no NVLink; None when nothing can tell (a
+    binding or snapshot without the call)."""
     try:
         states = {0: nvml.nvmlDeviceGetNvLinkState(handle, 0) == pynvml.NVML_FEATURE_ENABLED}
-    except (*_NO_LINK, pynvml.NVMLError_FunctionNotFound):
+    except _NO_LINK:
         return {}
+    except pynvml.NVMLError_FunctionNotFound:
+        return None
     for link in range(1, pynvml.NVML_NVLINK_MAX_LINKS):
         try:
             states[link] = nvml.nvmlDeviceGetNvLinkState(handle, link) == pynvml.NVML_FEATURE_ENABLED
@@ -328,6 +343,9 @@ def _new_errors(before: dict[int, dict[str, int]], now: dict[int, dict[str, int]
 def _summary(gpus: list[dict[str, Any]]) -> str:
     if not gpus:
         return "no GPU to look at"
+    if any(g["nvlink"] == "unknown" for g in gpus):
+        known = [g for g in gpus if g["nvlink"] != "unknown"]
+        return "NVLink state unknown" + (f" on {len(gpus) - len(known)} GPUs; " + _summary(known) if known else "")
     if all(g["nvlink"] == "not_supported" and not g["links_expected"] for g in gpus):
         return "NVLink not supported on these GPUs"
     if all(not g["links_expected"] and not g["links_active"] for g in gpus):

@@ -155,9 +155,13 @@ class ThermalCheck(Check):
 
     def _observe(self, nvml: Any, handle: Any, uuid: str, now: float) -> dict[str, Any]:
         mask = _reasons(nvml, handle)
-        fields: dict[str, Any] = {"reasons": [n for bit, n in REASON_NAMES.items() if mask & bit],
-                                  "reasons_mask": mask}
-        fields.update(self._shares(uuid, mask, now))
+        if mask is None:        # not readable here (a snapshot without them, an old GPU): unknown, not calm
+            fields: dict[str, Any] = {"reasons": None, "reasons_mask": None, **dict.fromkeys(SAMPLED),
+                                      "_thermal_sampled_pct": 0.0, "samples": 0, "window_s": 0.0,
+                                      "window_ready": False}
+        else:
+            fields = {"reasons": [n for bit, n in REASON_NAMES.items() if mask & bit], "reasons_mask": mask}
+            fields.update(self._shares(uuid, mask, now))
         fields.update(self._violations(nvml, handle, uuid, now))
         sampled_thermal = fields.pop("_thermal_sampled_pct")
         counted = fields["thermal_violation_pct"]
@@ -202,12 +206,15 @@ class ThermalCheck(Check):
                 "memory_margin_c": _minus(limits["memory_max_c"], memory)}
 
 
-def _reasons(nvml: Any, handle: Any) -> int:
-    """The reasons mask; drivers before 535 only have the older name of the same call."""
+def _reasons(nvml: Any, handle: Any) -> int | None:
+    """The reasons mask (None: not supported); drivers before 535 only have the older name of the same call."""
     try:
-        return int(nvml.nvmlDeviceGetCurrentClocksEventReasons(handle))
-    except pynvml.NVMLError_FunctionNotFound:
-        return int(nvml.nvmlDeviceGetCurrentClocksThrottleReasons(handle))
+        try:
+            return int(nvml.nvmlDeviceGetCurrentClocksEventReasons(handle))
+        except pynvml.NVMLError_FunctionNotFound:
+            return int(nvml.nvmlDeviceGetCurrentClocksThrottleReasons(handle))
+    except (pynvml.NVMLError_NotSupported, pynvml.NVMLError_FunctionNotFound):
+        return None
 
 
 def _memory_temperature(nvml: Any, handle: Any) -> int | None:

@@ -127,7 +127,8 @@ def read_gpu(nvml: Any, index: int) -> GpuInfo:
         handle = nvml.nvmlDeviceGetHandleByIndex(index)
         uuid = nvml.nvmlDeviceGetUUID(handle)
         name = nvml.nvmlDeviceGetName(handle)
-        bus_id = normalize_bus_id(nvml.nvmlDeviceGetPciInfo(handle).busId)
+        info = _optional(nvml.nvmlDeviceGetPciInfo, handle)     # None only in a snapshot that does not say
+        bus_id = normalize_bus_id(info.busId) if info is not None else None
     except Exception as e:  # noqa: BLE001 - NVMLError mostly; anything else is as much a finding
         return GpuInfo(index, error=nvml_error_name(e))
     try:

@@ -34,6 +34,7 @@ class Host:
     system: Any = None                 # driver plumbing reader: kernel modules, device files, services
                                        # (detector/backends/system.py); None: not readable here
     uptime_s: Callable[[], float | None] = lambda: None   # seconds since this boot; None: unknown (a replay)
+    snapshot: bool = False             # one saved capture (a replay): what it shows counts as held
 
     def current_boot(self) -> str:
         """This boot now: a fake node can reboot under a running agent, a real machine cannot."""

@@ -102,14 +102,15 @@ def replay_info(snapshot: Snapshot, side: SideFiles) -> dict[str, Any]:
 
 def replay_host(path: Path, node_name: str | None = None) -> Host:
     snapshot = load_snapshot(path)
-    if not any(g.bus_id for g in snapshot.gpus):
-        raise SnapshotError(f"{snapshot.path}: no GPU with a bus id (a 'GPU 00000000:..' header or <gpu id=..>) "
-                            "in this output: nothing to judge as a node")
+    if not snapshot.gpus:
+        raise SnapshotError(f"{snapshot.path}: no GPU section (a 'GPU 00000000:..' header, <gpu id=..>, or a "
+                            "GPU's fields such as Fabric or Clocks Event Reasons) in this output: nothing to judge")
     side = read_side_files(path) if path.is_dir() else SideFiles()
     nvml = ReplayNvml(snapshot, side.nvlink)
     nvml.nvmlInit()
     host = Host(node_name or "replay", nvml, ReplaySmi(snapshot), ReplayPciBus(snapshot), kernel_log=None,
-                boot_id="replay", threaded=False, close=nvml.nvmlShutdown, nccl_probe=ReplayNcclProbe())
+                boot_id="replay", threaded=False, close=nvml.nvmlShutdown, nccl_probe=ReplayNcclProbe(),
+                snapshot=True)
     host.system = ReplaySystem(system_info(snapshot, side))
     host.replay = replay_info(snapshot, side)          # type: ignore[attr-defined]
     return host

@@ -74,7 +74,7 @@ class ReplayNvml:
 
     def __init__(self, snapshot: Snapshot, nvlink: NvlinkListing | None = None):
         self.snapshot = snapshot
-        self.gpus = [g for g in snapshot.gpus if g.bus_id]
+        self.gpus = list(snapshot.gpus)      # a fragment's GPU may have no bus id: read for what it holds
         self.nvlink = nvlink
         self._initialised = 0
 
@@ -130,7 +130,7 @@ class ReplayNvml:
 
     def nvmlDeviceGetUUID(self, handle: Any) -> str:
         gpu = self._gpu(handle)
-        return gpu.uuid or f"unknown@{gpu.bus_id}"
+        return gpu.uuid or f"unknown@{gpu.bus_id or self.gpus.index(gpu)}"
 
     def nvmlDeviceGetSerial(self, handle: Any) -> str:
         return _known(self._gpu(handle).serial)
@@ -150,6 +150,8 @@ class ReplayNvml:
 
     def nvmlDeviceGetPciInfo(self, handle: Any) -> pynvml.nvmlPciInfo_t:
         gpu = self._gpu(handle)
+        if not gpu.bus_id:                     # a fragment that does not name its GPU
+            raise _error(pynvml.NVML_ERROR_NOT_SUPPORTED)
         info = pynvml.nvmlPciInfo_t()
         domain, bus, dev_fn = str(gpu.bus_id).split(":")
         info.busId = nvml_bus_id(str(gpu.bus_id)).encode()

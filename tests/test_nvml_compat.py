@@ -6,6 +6,7 @@ range. (`make nvml-compat` runs every scenario under those bindings; these tests
 from __future__ import annotations
 
 import ctypes
+import importlib.util
 import json
 import re
 import subprocess
@@ -205,6 +206,31 @@ def test_the_fixture_lists_are_the_bindings_they_name():
     floor, h100 = binding_names("12.535.77"), binding_names("13.610.43")
     assert "NVML_FI_DEV_GET_GPU_RECOVERY_ACTION" not in floor and "NVML_FI_DEV_GET_GPU_RECOVERY_ACTION" in h100
     assert "NVML_GPU_RECOVERY_ACTION_BUS_RESET" not in h100 and "NVML_GPU_RECOVERY_ACTION_RECOVER_IMEX_DOMAIN" in h100
+
+
+# ---- the compat job: its comparison, and that it covers pyproject's range
+
+def _compat_tool():
+    spec = importlib.util.spec_from_file_location("nvml_compat", ROOT / "tools" / "nvml_compat.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module                   # dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_compat_job_names_scenario_version_and_difference():
+    tool = _compat_tool()
+    healthy = tool.Outcome(0, (), (("driver", "ok"), ("fabric", "ok")))
+    failed = tool.Outcome(1, (("check-failed", "CheckFailed", ()),), (("driver", "ok"), ("fabric", "error")))
+    reference = tool.Scan("13.615.71", {"h100-sxm-8": healthy, "a100-pcie-4": healthy})
+    assert tool.differences(reference, tool.Scan("12.535.77", {"h100-sxm-8": healthy, "a100-pcie-4": healthy})) == []
+    lines = tool.differences(reference, tool.Scan("12.535.77", {"h100-sxm-8": failed}))
+    assert lines[0] == ("h100-sxm-8 under nvidia-ml-py 12.535.77: exit code 1, 13.615.71 gives 0; problems only "
+                        "here: [('check-failed', 'CheckFailed', ())]; check status: fabric error (not ok)")
+    assert lines[1] == "a100-pcie-4: not run under nvidia-ml-py 12.535.77"
+    dropped = tool.Outcome(0, (), (("driver", "ok"),))
+    assert tool.differences(reference, tool.Scan("13.610.43", {"h100-sxm-8": dropped, "a100-pcie-4": healthy})) \
+        == ["h100-sxm-8 under nvidia-ml-py 13.610.43: check status: fabric not run (not ok)"]
 
 
 # ---- the compat job covers pyproject's range -----------------------------------------------------

@@ -127,9 +127,9 @@ def differences(reference: Scan, other: Scan) -> list[str]:
             parts.append(f"problems only here: {sorted(extra)}")
         if lost:
             parts.append(f"problems missing here: {sorted(lost)}")
-        statuses = dict(want.checks)
-        changed = [f"{check} {status} (not {statuses.get(check)})" for check, status in got.checks
-                   if statuses.get(check) != status]
+        wanted, have = dict(want.checks), dict(got.checks)
+        changed = [f"{check} {have.get(check, 'not run')} (not {wanted.get(check, 'not run')})"
+                   for check in sorted(wanted.keys() | have.keys()) if wanted.get(check) != have.get(check)]
         if changed:
             parts.append(f"check status: {', '.join(changed)}")
         if parts:
@@ -154,7 +154,15 @@ def compare(venvs: list[Path]) -> int:
     with concurrent.futures.ThreadPoolExecutor(max_workers=len(pythons) + 1) as pool:
         ref_job = pool.submit(run_scan, Path(sys.executable))
         jobs = [(pool.submit(run_scan, p), p) for p in pythons]
-        reference = ref_job.result()
+        try:
+            reference = ref_job.result()
+        except ScanFailed as e:
+            print(f"nvml-compat: FAIL the reference binding: {e}", file=sys.stderr)
+            return 1
+        broken = [f"{name}: {o.error}" for name, o in reference.outcomes.items() if o.error]
+        if broken:
+            print(f"nvml-compat: FAIL under the reference nvidia-ml-py {reference.version}: {broken}", file=sys.stderr)
+            return 1
         print(f"nvml-compat: reference nvidia-ml-py {reference.version} ({sys.executable}): "
               f"{len(reference.outcomes)} scenarios in {time.monotonic() - start:.1f} s")
         failures = []

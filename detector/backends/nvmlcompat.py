@@ -12,8 +12,7 @@ None through `optional`, the same None that NotSupported gives (detector/core/in
 from __future__ import annotations
 
 import ctypes
-from types import ModuleType
-from typing import Any, Callable
+from typing import Any
 
 import pynvml
 
@@ -32,7 +31,7 @@ HEADER_VALUES: dict[str, int] = {
     # nvmlFieldValue_t ids: NVML API reference, "Field Value Enums"; field 230 came with driver 565
     # (change log v560 -> v565).
     "NVML_FI_DEV_GET_GPU_RECOVERY_ACTION": 230,
-    # nvmlValueType_t: NVML_VALUE_TYPE_UNSIGNED_SHORT = 6 (nvml.h since 560).
+    # nvmlValueType_t: NVML_VALUE_TYPE_UNSIGNED_SHORT = 6 (not in binding 12.535.77; in 12.560.30 on).
     "NVML_VALUE_TYPE_UNSIGNED_SHORT": 6,
     # nvmlDeviceGpuRecoveryAction_t: NONE..DRAIN_AND_RESET 0-4 (565/570), RECOVER_IMEX_DOMAIN 5 (595),
     # BUS_RESET 6 and SYSTEM_REBOOT 7 (615). NVML change log, https://docs.nvidia.com/deploy/nvml-api/
@@ -73,11 +72,11 @@ CORRECTED: frozenset[str] = frozenset({"NVML_GPU_FABRIC_HEALTH_MASK_WIDTH_DEGRAD
 NOT_HERE = (pynvml.NVMLError_NotSupported, pynvml.NVMLError_FunctionNotFound)
 
 
-def constant(name: str, binding: ModuleType | None = None) -> Any:
-    """The binding's value of NVML constant `name`, else the header's, else MISSING."""
+def constant(name: str, binding: Any = None) -> Any:
+    """The binding's (pynvml unless given) value of NVML constant `name`, else the header's, else MISSING."""
     if name in CORRECTED:
         return HEADER_VALUES[name]
-    value = getattr(binding or pynvml, name, MISSING)
+    value = getattr(pynvml if binding is None else binding, name, MISSING)
     return HEADER_VALUES.get(name, MISSING) if value is MISSING else value
 
 

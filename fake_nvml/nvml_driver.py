@@ -17,16 +17,19 @@ from typing import Any
 
 import pynvml
 
+from detector.backends.nvmlcompat import constant as nvml_constant
+
 RECOVERY_ACTION_SINCE = (565,)          # driver branch that added NVML_FI_DEV_GET_GPU_RECOVERY_ACTION
+RECOVERY_FIELD = nvml_constant("NVML_FI_DEV_GET_GPU_RECOVERY_ACTION")    # 230, also where the binding lacks it
 RECOVERY_ACTIONS = {                    # nvmlDeviceGpuRecoveryAction_t by the names faults use
-    "NONE": pynvml.NVML_GPU_RECOVERY_ACTION_NONE,
-    "GPU_RESET": pynvml.NVML_GPU_RECOVERY_ACTION_GPU_RESET,
-    "NODE_REBOOT": pynvml.NVML_GPU_RECOVERY_ACTION_NODE_REBOOT,
-    "DRAIN_P2P": pynvml.NVML_GPU_RECOVERY_ACTION_DRAIN_P2P,
-    "DRAIN_AND_RESET": pynvml.NVML_GPU_RECOVERY_ACTION_DRAIN_AND_RESET,
-    "RECOVER_IMEX_DOMAIN": pynvml.NVML_GPU_RECOVERY_ACTION_RECOVER_IMEX_DOMAIN,
-    "BUS_RESET": pynvml.NVML_GPU_RECOVERY_ACTION_BUS_RESET,
-    "SYSTEM_REBOOT": pynvml.NVML_GPU_RECOVERY_ACTION_SYSTEM_REBOOT,
+    "NONE": nvml_constant("NVML_GPU_RECOVERY_ACTION_NONE"),
+    "GPU_RESET": nvml_constant("NVML_GPU_RECOVERY_ACTION_GPU_RESET"),
+    "NODE_REBOOT": nvml_constant("NVML_GPU_RECOVERY_ACTION_NODE_REBOOT"),
+    "DRAIN_P2P": nvml_constant("NVML_GPU_RECOVERY_ACTION_DRAIN_P2P"),
+    "DRAIN_AND_RESET": nvml_constant("NVML_GPU_RECOVERY_ACTION_DRAIN_AND_RESET"),
+    "RECOVER_IMEX_DOMAIN": nvml_constant("NVML_GPU_RECOVERY_ACTION_RECOVER_IMEX_DOMAIN"),
+    "BUS_RESET": nvml_constant("NVML_GPU_RECOVERY_ACTION_BUS_RESET"),
+    "SYSTEM_REBOOT": nvml_constant("NVML_GPU_RECOVERY_ACTION_SYSTEM_REBOOT"),
 }
 
 
@@ -52,12 +55,12 @@ class DriverCalls:
     def nvmlDeviceGetFieldValues(self, handle: Any, fieldIds: list[Any]) -> Any:
         """The other mixins' fields (NVLink ...), then the recovery action in its slots."""
         values = super().nvmlDeviceGetFieldValues(handle, fieldIds)   # type: ignore[misc]
-        if not any(_field_id(f) == pynvml.NVML_FI_DEV_GET_GPU_RECOVERY_ACTION for f in fieldIds):
+        if not any(_field_id(f) == RECOVERY_FIELD for f in fieldIds):
             return values
         gpu = self._device(handle)   # type: ignore[attr-defined]
         supported = driver_branch(self._state().driver_version) >= RECOVERY_ACTION_SINCE   # type: ignore[attr-defined]
         for slot in values:
-            if slot.fieldId != pynvml.NVML_FI_DEV_GET_GPU_RECOVERY_ACTION:
+            if slot.fieldId != RECOVERY_FIELD:
                 continue
             if supported:
                 slot.nvmlReturn, slot.valueType = pynvml.NVML_SUCCESS, pynvml.NVML_VALUE_TYPE_UNSIGNED_INT

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import pynvml
 
+from detector.backends.nvmlcompat import constant as nvml_constant
 from fake_nvml.node import FakeGpu
 
 if TYPE_CHECKING:
@@ -33,11 +34,14 @@ _FIELDS = {pynvml.NVML_FI_DEV_NVLINK_ERROR_DL_REPLAY: "replay", pynvml.NVML_FI_D
            pynvml.NVML_FI_DEV_NVLINK_ERROR_DL_CRC: "crc_flit"}
 # Models whose GPUs register with an NVLink fabric (Hopper and later); the others answer NotSupported.
 FABRIC_PROBE_MODELS = frozenset({"h100-sxm5-80gb", "h200-sxm-141gb"})
-_HEALTHY_MASK = (pynvml.NVML_GPU_FABRIC_HEALTH_MASK_DEGRADED_BW_FALSE
-                 | pynvml.NVML_GPU_FABRIC_HEALTH_MASK_ROUTE_RECOVERY_FALSE << pynvml.NVML_GPU_FABRIC_HEALTH_MASK_SHIFT_ROUTE_RECOVERY
-                 | pynvml.NVML_GPU_FABRIC_HEALTH_MASK_ROUTE_UNHEALTHY_FALSE << pynvml.NVML_GPU_FABRIC_HEALTH_MASK_SHIFT_ROUTE_UNHEALTHY
-                 | pynvml.NVML_GPU_FABRIC_HEALTH_MASK_ACCESS_TIMEOUT_RECOVERY_FALSE
-                 << pynvml.NVML_GPU_FABRIC_HEALTH_MASK_SHIFT_ACCESS_TIMEOUT_RECOVERY)
+_HEALTHY_MASK = (nvml_constant("NVML_GPU_FABRIC_HEALTH_MASK_DEGRADED_BW_FALSE")
+                 << nvml_constant("NVML_GPU_FABRIC_HEALTH_MASK_SHIFT_DEGRADED_BW")
+                 | nvml_constant("NVML_GPU_FABRIC_HEALTH_MASK_ROUTE_RECOVERY_FALSE")
+                 << nvml_constant("NVML_GPU_FABRIC_HEALTH_MASK_SHIFT_ROUTE_RECOVERY")
+                 | nvml_constant("NVML_GPU_FABRIC_HEALTH_MASK_ROUTE_UNHEALTHY_FALSE")
+                 << nvml_constant("NVML_GPU_FABRIC_HEALTH_MASK_SHIFT_ROUTE_UNHEALTHY")
+                 | nvml_constant("NVML_GPU_FABRIC_HEALTH_MASK_ACCESS_TIMEOUT_RECOVERY_FALSE")
+                 << nvml_constant("NVML_GPU_FABRIC_HEALTH_MASK_SHIFT_ACCESS_TIMEOUT_RECOVERY"))
 
 
 def _error(code: int) -> pynvml.NVMLError:
@@ -149,17 +153,18 @@ class NvlinkCalls:
         info = _pointee(pointer)
         if gpu.model.key not in FABRIC_PROBE_MODELS:
             raise _error(pynvml.NVML_ERROR_NOT_SUPPORTED)
-        if versioned and info.version not in (pynvml.nvmlGpuFabricInfo_v2, pynvml.nvmlGpuFabricInfo_v3):
+        if versioned and info.version not in (nvml_constant("nvmlGpuFabricInfo_v2"),
+                                              nvml_constant("nvmlGpuFabricInfo_v3")):
             raise _error(pynvml.NVML_ERROR_ARGUMENT_VERSION_MISMATCH)
         state, status = fabric_of(gpu, self._state())   # type: ignore[attr-defined]
         info.state, info.status, info.cliqueId = state, status, 0
-        ctypes.memset(ctypes.addressof(info.clusterUuid), 0, pynvml.NVML_GPU_FABRIC_UUID_LEN)
+        ctypes.memset(ctypes.addressof(info.clusterUuid), 0, nvml_constant("NVML_GPU_FABRIC_UUID_LEN"))
         if versioned:
             done = state == pynvml.NVML_GPU_FABRIC_STATE_COMPLETED
             info.healthMask = _HEALTHY_MASK if done else 0
-            if info.version == pynvml.nvmlGpuFabricInfo_v3:
-                info.healthSummary = (pynvml.NVML_GPU_FABRIC_HEALTH_SUMMARY_HEALTHY if done
-                                      else pynvml.NVML_GPU_FABRIC_HEALTH_SUMMARY_NOT_SUPPORTED)
+            if info.version == nvml_constant("nvmlGpuFabricInfo_v3"):
+                info.healthSummary = (nvml_constant("NVML_GPU_FABRIC_HEALTH_SUMMARY_HEALTHY") if done
+                                      else nvml_constant("NVML_GPU_FABRIC_HEALTH_SUMMARY_NOT_SUPPORTED"))
         return pynvml.NVML_SUCCESS
 
     def nvmlDeviceGetGpuFabricInfo(self, handle: Any, gpuFabricInfo: Any) -> int:

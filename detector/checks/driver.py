@@ -16,6 +16,7 @@ from typing import Any
 
 import pynvml
 
+from detector.backends.nvmlcompat import constant as nvml_constant
 from detector.backends.system import SystemInfo
 from detector.core.check import Check, CheckOutput, ConfigField, GaugeSpec
 from detector.core.inventory import GpuInfo, _optional, nvml_error_name
@@ -23,17 +24,17 @@ from detector.core.sweep import SweepContext
 from detector.core.types import Observation
 
 MISMATCH = "LibRmVersionMismatch"     # nvmlInit's NVML_ERROR_LIB_RM_VERSION_MISMATCH, as the inventory names it
-_FIELD = pynvml.NVML_FI_DEV_GET_GPU_RECOVERY_ACTION
+_FIELD = nvml_constant("NVML_FI_DEV_GET_GPU_RECOVERY_ACTION")
 # nvmlDeviceGpuRecoveryAction_t -> (its name, the action gpu-npd recommends: detector/core/types.py ACTIONS).
 RECOVERY_ACTIONS: dict[int, tuple[str, str]] = {
-    pynvml.NVML_GPU_RECOVERY_ACTION_NONE: ("NONE", "NONE"),
-    pynvml.NVML_GPU_RECOVERY_ACTION_GPU_RESET: ("GPU_RESET", "RESET_GPU"),
-    pynvml.NVML_GPU_RECOVERY_ACTION_NODE_REBOOT: ("NODE_REBOOT", "RESTART_BM"),
-    pynvml.NVML_GPU_RECOVERY_ACTION_DRAIN_P2P: ("DRAIN_P2P", "DRAIN_P2P"),
-    pynvml.NVML_GPU_RECOVERY_ACTION_DRAIN_AND_RESET: ("DRAIN_AND_RESET", "DRAIN_AND_RESET"),
-    pynvml.NVML_GPU_RECOVERY_ACTION_RECOVER_IMEX_DOMAIN: ("RECOVER_IMEX_DOMAIN", "INSPECT"),
-    pynvml.NVML_GPU_RECOVERY_ACTION_BUS_RESET: ("BUS_RESET", "RESET_GPU"),
-    pynvml.NVML_GPU_RECOVERY_ACTION_SYSTEM_REBOOT: ("SYSTEM_REBOOT", "RESTART_BM"),
+    nvml_constant("NVML_GPU_RECOVERY_ACTION_NONE"): ("NONE", "NONE"),
+    nvml_constant("NVML_GPU_RECOVERY_ACTION_GPU_RESET"): ("GPU_RESET", "RESET_GPU"),
+    nvml_constant("NVML_GPU_RECOVERY_ACTION_NODE_REBOOT"): ("NODE_REBOOT", "RESTART_BM"),
+    nvml_constant("NVML_GPU_RECOVERY_ACTION_DRAIN_P2P"): ("DRAIN_P2P", "DRAIN_P2P"),
+    nvml_constant("NVML_GPU_RECOVERY_ACTION_DRAIN_AND_RESET"): ("DRAIN_AND_RESET", "DRAIN_AND_RESET"),
+    nvml_constant("NVML_GPU_RECOVERY_ACTION_RECOVER_IMEX_DOMAIN"): ("RECOVER_IMEX_DOMAIN", "INSPECT"),
+    nvml_constant("NVML_GPU_RECOVERY_ACTION_BUS_RESET"): ("BUS_RESET", "RESET_GPU"),
+    nvml_constant("NVML_GPU_RECOVERY_ACTION_SYSTEM_REBOOT"): ("SYSTEM_REBOOT", "RESTART_BM"),
 }
 _RESET_ACTIONS = {"RESET_GPU", "DRAIN_AND_RESET"}
 NODE_FIELDS = ("plumbing", "nvml_status", "nvml_driver_version", "kernel_module_version", "kernel_module_flavor",

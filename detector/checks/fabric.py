@@ -26,6 +26,7 @@ from typing import Any, Callable
 
 import pynvml
 
+from detector.backends.nvmlcompat import GpuFabricInfo, GpuFabricInfoV2, constant as nvml_constant
 from detector.backends.pci import nvswitch_count
 from detector.core.check import Check, CheckOutput, GaugeSpec
 from detector.core.sweep import SweepContext
@@ -123,10 +124,10 @@ def _gpu_fields(nvml: Any, handle: Any) -> dict[str, Any]:
         fields["registered"] = False
     if versioned:
         fields["health_mask"] = int(info.healthMask)
-        bw = (info.healthMask >> pynvml.NVML_GPU_FABRIC_HEALTH_MASK_SHIFT_DEGRADED_BW) \
-            & pynvml.NVML_GPU_FABRIC_HEALTH_MASK_WIDTH_DEGRADED_BW
-        fields["degraded_bandwidth"] = {pynvml.NVML_GPU_FABRIC_HEALTH_MASK_DEGRADED_BW_TRUE: True,
-                                        pynvml.NVML_GPU_FABRIC_HEALTH_MASK_DEGRADED_BW_FALSE: False}.get(bw)
+        bw = (info.healthMask >> nvml_constant("NVML_GPU_FABRIC_HEALTH_MASK_SHIFT_DEGRADED_BW")) \
+            & nvml_constant("NVML_GPU_FABRIC_HEALTH_MASK_WIDTH_DEGRADED_BW")
+        fields["degraded_bandwidth"] = {nvml_constant("NVML_GPU_FABRIC_HEALTH_MASK_DEGRADED_BW_TRUE"): True,
+                                        nvml_constant("NVML_GPU_FABRIC_HEALTH_MASK_DEGRADED_BW_FALSE"): False}.get(bw)
     return fields
 
 
@@ -135,7 +136,7 @@ def _fabric_info(nvml: Any, handle: Any) -> tuple[Any, bool]:
     the GPU or driver has no fabric probe."""
     call = getattr(nvml, "nvmlDeviceGetGpuFabricInfoV", None)
     if call is not None:
-        info = pynvml.c_nvmlGpuFabricInfo_v2_t()
+        info = GpuFabricInfoV2()      # the header's layout: some bindings' own is wrong
         try:
             call(handle, ctypes.byref(info))
             return info, True
@@ -144,7 +145,7 @@ def _fabric_info(nvml: Any, handle: Any) -> tuple[Any, bool]:
         except pynvml.NVMLError as e:
             if e.value not in (pynvml.NVML_ERROR_FUNCTION_NOT_FOUND, pynvml.NVML_ERROR_ARGUMENT_VERSION_MISMATCH):
                 raise
-    legacy = pynvml.c_nvmlGpuFabricInfo_t()
+    legacy = GpuFabricInfo()
     try:
         nvml.nvmlDeviceGetGpuFabricInfo(handle, ctypes.byref(legacy))
     except _NOT_HERE:

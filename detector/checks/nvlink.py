@@ -35,6 +35,7 @@ from typing import Any, Callable
 
 import pynvml
 
+from detector.backends.nvmlcompat import constant as nvml_constant
 from detector.backends.pci import nvswitch_count
 from detector.core.check import Check, CheckOutput, ConfigField, GaugeSpec
 from detector.core.inventory import GpuInfo
@@ -51,7 +52,7 @@ _NO_LINK = (pynvml.NVMLError_NotSupported, pynvml.NVMLError_InvalidArgument)
 _NOT_HERE = (pynvml.NVMLError_NotSupported, pynvml.NVMLError_FunctionNotFound)
 _VALUE = {pynvml.NVML_VALUE_TYPE_UNSIGNED_INT: "uiVal", pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG: "ulVal",
           pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG: "ullVal", pynvml.NVML_VALUE_TYPE_SIGNED_LONG_LONG: "sllVal",
-          pynvml.NVML_VALUE_TYPE_SIGNED_INT: "siVal", pynvml.NVML_VALUE_TYPE_UNSIGNED_SHORT: "usVal"}
+          pynvml.NVML_VALUE_TYPE_SIGNED_INT: "siVal", nvml_constant("NVML_VALUE_TYPE_UNSIGNED_SHORT"): "usVal"}
 RATED = ("replay", "recovery", "crc")
 
 

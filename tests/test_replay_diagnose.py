@@ -135,9 +135,22 @@ def test_a_partial_snapshot_judges_what_it_holds(capsys):
     assert result["replay"]["complete"] is False and result["replay"]["attached_gpus"] == 4
 
 
-def test_a_headerless_fragment_cannot_be_judged_as_a_node(capsys):
-    code = main(["diagnose", "-q", "--nvml", f"replay:{FIXTURES / 'fragment-fabric-in-progress-gpu-operator-2511.txt'}"])
-    assert code == 2 and "no GPU with a bus id" in capsys.readouterr().err
+def test_a_headerless_fragment_is_read_for_what_it_holds(capsys):
+    """`grep -A2 Fabric` of one GPU: no bus id, no UUID; its unfinished registration is still named (held, as
+    one snapshot), on a GPU the output does not name."""
+    code = main(["diagnose", "-q", "-o", "json", "--nvml",
+                 f"replay:{FIXTURES / 'fragment-fabric-in-progress-gpu-operator-2511.txt'}"])
+    report = json.loads(capsys.readouterr().out)
+    assert code == 1
+    assert [p["reason"] for p in report["problems"]] == ["FabricRegistrationStuck"]
+    assert [g["pci_bus_id"] for g in report["gpus"]] == [None]
+
+
+def test_text_that_holds_no_gpu_is_a_clear_error(tmp_path, capsys):
+    (tmp_path / "not-smi.txt").write_text("Timestamp : Thu Nov 26 10:00:00 2026\nDriver Version : 580.159.04\n")
+    assert main(["diagnose", "-q", "--nvml", f"replay:{tmp_path / 'not-smi.txt'}"]) == 2
+    err = capsys.readouterr().err
+    assert "not-smi.txt" in err and "not nvidia-smi" in err
 
 
 def test_bad_replay_paths_are_usage_errors(tmp_path, capsys):

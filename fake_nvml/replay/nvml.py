@@ -12,6 +12,8 @@ from typing import Any
 
 import pynvml
 
+from detector.backends.nvmlcompat import constant as nvml_constant
+
 from detector.core.pciaddr import nvml_bus_id
 from fake_nvml.replay.side_files import NvlinkListing
 from fake_nvml.replay.snapshot import GpuSnapshot, Snapshot
@@ -35,11 +37,11 @@ _POLICY_COUNTERS = {
     pynvml.NVML_PERF_POLICY_POWER: ("sw_power_cap", "hw_power_brake_slowdown"),
     pynvml.NVML_PERF_POLICY_SYNC_BOOST: ("sync_boost",),
 }
-RECOVERY_ACTIONS = {"none": pynvml.NVML_GPU_RECOVERY_ACTION_NONE, "gpu reset": pynvml.NVML_GPU_RECOVERY_ACTION_GPU_RESET,
-                    "reset": pynvml.NVML_GPU_RECOVERY_ACTION_GPU_RESET,
-                    "node reboot": pynvml.NVML_GPU_RECOVERY_ACTION_NODE_REBOOT,
-                    "drain p2p": pynvml.NVML_GPU_RECOVERY_ACTION_DRAIN_P2P,
-                    "drain and reset": pynvml.NVML_GPU_RECOVERY_ACTION_DRAIN_AND_RESET}
+RECOVERY_ACTIONS = {"none": nvml_constant("NVML_GPU_RECOVERY_ACTION_NONE"), "gpu reset": nvml_constant("NVML_GPU_RECOVERY_ACTION_GPU_RESET"),
+                    "reset": nvml_constant("NVML_GPU_RECOVERY_ACTION_GPU_RESET"),
+                    "node reboot": nvml_constant("NVML_GPU_RECOVERY_ACTION_NODE_REBOOT"),
+                    "drain p2p": nvml_constant("NVML_GPU_RECOVERY_ACTION_DRAIN_P2P"),
+                    "drain and reset": nvml_constant("NVML_GPU_RECOVERY_ACTION_DRAIN_AND_RESET")}
 FABRIC_STATES = {"not supported": pynvml.NVML_GPU_FABRIC_STATE_NOT_SUPPORTED,
                  "not started": pynvml.NVML_GPU_FABRIC_STATE_NOT_STARTED,
                  "in progress": pynvml.NVML_GPU_FABRIC_STATE_IN_PROGRESS,
@@ -288,7 +290,7 @@ class ReplayNvml:
             value = None
             if field_id == pynvml.NVML_FI_DEV_MEMORY_TEMP:
                 value = gpu.memory_temperature_c
-            elif field_id == pynvml.NVML_FI_DEV_GET_GPU_RECOVERY_ACTION and gpu.recovery_action is not None:
+            elif field_id == nvml_constant("NVML_FI_DEV_GET_GPU_RECOVERY_ACTION") and gpu.recovery_action is not None:
                 value = RECOVERY_ACTIONS.get(gpu.recovery_action.strip().lower())
             if value is not None:
                 slot.nvmlReturn, slot.valueType = pynvml.NVML_SUCCESS, pynvml.NVML_VALUE_TYPE_UNSIGNED_INT

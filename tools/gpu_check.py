@@ -143,7 +143,7 @@ def _package_env() -> dict[str, str]:
     """What the child processes need to import gpu-npd from this checkout with its checks registered.
     Checks join through the `gpu_npd.checks` entry points, which only an installed package has: without
     one (a GPU machine with no network to install from), setuptools writes the package's metadata
-    (PEP 517 prepare_metadata_for_build_wheel) under build/, put on PYTHONPATH beside the checkout."""
+    (`egg_info`: no wheel package needed) under build/, put on PYTHONPATH beside the checkout."""
     from importlib.metadata import entry_points
 
     if list(entry_points(group="gpu_npd.checks")):
@@ -151,9 +151,8 @@ def _package_env() -> dict[str, str]:
     meta = REPO / "build" / "gpu-check-metadata"
     shutil.rmtree(meta, ignore_errors=True)
     meta.mkdir(parents=True)
-    made = subprocess.run([sys.executable, "-c", "import sys\nfrom setuptools import build_meta\n"
-                           "build_meta.prepare_metadata_for_build_wheel(sys.argv[1])", str(meta)],
-                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    made = subprocess.run([sys.executable, "-c", "from setuptools import setup; setup()", "egg_info", "--egg-base",
+                           str(meta)], cwd=REPO, capture_output=True, text=True, timeout=120)
     if made.returncode != 0:
         raise SystemExit(f"gpu-check: gpu-npd is not installed for {sys.executable} and its metadata could not "
                          f"be made (setuptools needed): {made.stderr.strip().splitlines()[-1:]}")

@@ -137,15 +137,17 @@ def test_a_fault_is_matched_to_the_xid_event_that_is_new_or_counted_again():
     xid13 = messages["Xid13GraphicsEngineException"]
     unrelated = _event("NodeWideProblem", 1, messages["NodeWideProblem"])
     before = {"Xid13GraphicsEngineException": 1, "NodeWideProblem": 1}
+    repeated = _event("XidApplicationErrorsRepeated", 1, messages["XidApplicationErrorsRepeated"])
     emulator = _Events([unrelated, _event("Xid13GraphicsEngineException", 1, xid13)],
-                       [unrelated, _event("Xid13GraphicsEngineException", 2, xid13)])
-    found = gpu_check._await_event(emulator, before, {"launch": 0.0}, timeout_s=5)
+                       [unrelated, repeated, _event("Xid13GraphicsEngineException", 2, xid13)])
+    found = gpu_check._await_event(emulator, before, {"launch": 0.0}, timeout_s=5, xid=13)
     assert found["event"]["reason"] == "Xid13GraphicsEngineException" and found["event"]["count"] == 2
+    assert found["also"] == ["XidApplicationErrorsRepeated"]
     assert found["seconds_to_event"] > 0
 
     quiet = _Events([unrelated, _event("Xid13GraphicsEngineException", 1, xid13)])
-    assert gpu_check._await_event(quiet, before, {"launch": 0.0}, timeout_s=0.2) == {
-        "event": None, "seconds_to_event": None}
+    assert gpu_check._await_event(quiet, before, {"launch": 0.0}, timeout_s=0.2, xid=13) == {
+        "event": None, "seconds_to_event": None, "also": []}
 
 
 def test_fault_program_without_a_cuda_library_says_so_and_launches_nothing(tmp_path):

@@ -447,7 +447,7 @@ def _provoke(out: Path, emulator: Any, env: dict[str, str], times: DaemonTimes) 
             return {"skipped": run["skip"]}
         result = {"kernel": fault.kernel, "expected_xid": fault.xid, "what": fault.what, **run}
         if run.get("launch") is not None:
-            result.update(_await_event(emulator, before, run, times.event_timeout_s))
+            result.update(_await_event(emulator, before, run, times.event_timeout_s, fault.xid))
         results.append(result)
     return results
 
@@ -483,19 +483,26 @@ def _event_counts(emulator: Any) -> dict[str, int]:
     return {e["reason"]: e["count"] for e in _events(emulator)}
 
 
-def _await_event(emulator: Any, before: dict[str, int], run: dict[str, Any], timeout_s: float) -> dict[str, Any]:
-    """The first XID event that is new or counted again after the fault; seconds from the kernel's
-    launch to the moment it was seen (polled every 50 ms)."""
+def _await_event(emulator: Any, before: dict[str, int], run: dict[str, Any], timeout_s: float,
+                 xid: int | None = None) -> dict[str, Any]:
+    """The XID event that is new or counted again after the fault (the one about `xid` when several
+    changed, e.g. a repeat-offender event beside it); seconds from the kernel's launch to the moment it
+    was seen (polled every 50 ms). Others that changed at the same time are listed too."""
     deadline = time.monotonic() + timeout_s
     while True:
-        for e in _events(emulator):
-            if e["reason"].startswith("Xid") and e["count"] > before.get(e["reason"], 0):
-                seen = time.time()
-                return {"event": {**event_fields(e["message"]), "reason": e["reason"], "count": e["count"],
-                                  "message": e["message"]},
-                        "seconds_to_event": round(seen - run["launch"], 2)}
+        changed = [e for e in _events(emulator)
+                   if e["reason"].startswith("Xid") and e["count"] > before.get(e["reason"], 0)]
+        if changed:
+            seen = time.time()
+            changed.sort(key=lambda e: (not e["reason"].startswith(f"Xid{xid}"),
+                                        event_fields(e["message"])["xid"] != xid))
+            first = changed[0]
+            return {"event": {**event_fields(first["message"]), "reason": first["reason"], "count": first["count"],
+                              "message": first["message"]},
+                    "seconds_to_event": round(seen - run["launch"], 2),
+                    "also": [e["reason"] for e in changed[1:]]}
         if time.monotonic() >= deadline:
-            return {"event": None, "seconds_to_event": None}
+            return {"event": None, "seconds_to_event": None, "also": []}
         time.sleep(0.05)
 
 
@@ -541,7 +548,8 @@ def _daemon_summary(details: dict[str, Any]) -> list[str]:
             else:
                 lines.append(f"fault {f['kernel']} (pid {f['pid']}, via {f['via']}): {e['reason']} count {e['count']}, "
                              f"GPU {e['gpu']}, process {e['process']}, pid {e['pid']}, "
-                             f"{f['seconds_to_event']} s after the launch")
+                             f"{f['seconds_to_event']} s after the launch"
+                             + (f"; also {', '.join(f['also'])}" if f.get("also") else ""))
     lines.append(f"after the faults: conditions True: {', '.join(after['conditions_true']) or 'none'}; "
                  f"DeviceTaintRules: {', '.join(after['device_taint_rules']) or 'none'}")
     s = details["steady"]

@@ -67,6 +67,22 @@ def test_dry_run_writes_every_step_and_a_summary(tmp_path):
     assert [s["name"] for s in everything["steps"]] == ["conformance", "diagnose", "nccl", "daemon", "raw"]
 
 
+def test_a_step_that_breaks_fails_alone_and_says_why(tmp_path):
+    """A scenario that does not exist: diagnose exits 2 and the daemon step cannot build the node's
+    ResourceSlice; both are FAILED lines, raw still runs, and the exit code is 1."""
+    out = tmp_path / "check"
+    proc = subprocess.run([*TOOL, "--out", str(out), "--nvml", "fake:no-such-node", "--skip", "conformance,nccl"],
+                          capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    lines = {line.split()[0]: line for line in (out / "summary.txt").read_text().splitlines()[1:]
+             if not line.startswith(" ")}
+    assert list(lines) == ["diagnose", "daemon", "raw"]
+    assert "FAILED: exit 2" in lines["diagnose"]
+    assert "FAILED: " in lines["daemon"] and "no-such-node" in lines["daemon"]
+    assert "Traceback" in (out / "daemon.error.txt").read_text()
+    assert lines["raw"].split()[1] == "0"
+
+
 def _device_like_python(root: Path) -> Path:
     """A venv holding only DEVICE_PACKAGES (linked from this one), as the GPU machine's python3 has them."""
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(root)], check=True, timeout=120)

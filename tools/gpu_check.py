@@ -4,7 +4,7 @@
 1. conformance: the NVML conformance tests against the real library (`pytest -m gpu tests/conformance`),
    which check that the fake NVML answers as the real one does;
 2. diagnose: `gpu-npd diagnose -o json` with every registered check (the opt-in NCCL probe included),
-   plus the table a person reads;
+   plus the table a person reads (without the probe, not run a third time);
 3. nccl: the NCCL all-reduce probe on its own, so its figures (bus bandwidth, wrong values) stand apart;
 4. daemon: `gpu-npd run --dra-taints` against the bundled Kubernetes API emulator (plain HTTP on
    loopback) for about a minute: the verdict on the machine as it is (conditions, DeviceTaintRules: none
@@ -37,9 +37,10 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -98,16 +99,16 @@ def main(argv: list[str] | None = None) -> int:
     skip = {s for s in args.skip.split(",") if s}
     env = _package_env()
 
+    times = DaemonTimes(args.settle, args.quiet, args.fault_timeout, args.event_timeout)
     steps: list[Step] = []
     if "conformance" not in skip:
-        steps.append(_conformance(out, real, env))
+        steps += _guarded(out, "conformance", lambda: [_conformance(out, real, env)])
     if "diagnose" not in skip or "nccl" not in skip:
-        steps += _diagnose(out, args.nvml, args.nccl_size, env, skip)
+        steps += _guarded(out, "diagnose", lambda: _diagnose(out, args.nvml, args.nccl_size, env, skip))
     if "daemon" not in skip:
-        steps.append(_daemon(out, args.nvml, env, DaemonTimes(args.settle, args.quiet, args.fault_timeout,
-                                                               args.event_timeout)))
+        steps += _guarded(out, "daemon", lambda: [_daemon(out, args.nvml, env, times)])
     if "raw" not in skip:
-        steps.append(_raw(out))
+        steps += _guarded(out, "raw", lambda: [_raw(out)])
     header = f"gpu-check of {os.uname().nodename} ({args.nvml}) at {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}"
     summary = "\n".join(_summary_lines(steps))
     (out / "summary.txt").write_text(f"{header}\n{summary}\n", encoding="utf-8")
@@ -117,6 +118,16 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{header}\n{summary}")
     print(f"gpu-check: results in {out}/")
     return 1 if any(s.outcome.startswith("FAILED") for s in steps) else 0
+
+
+def _guarded(out: Path, name: str, step: Callable[[], list[Step]]) -> list[Step]:
+    """A step that breaks is a failed step with its traceback kept, and the steps after it still run."""
+    t0 = time.monotonic()
+    try:
+        return step()
+    except Exception as e:  # noqa: BLE001 - reported in the summary, the traceback in a file
+        (out / f"{name}.error.txt").write_text(traceback.format_exc(), encoding="utf-8")
+        return [Step(name, None, time.monotonic() - t0, f"FAILED: {type(e).__name__}: {e} (see {name}.error.txt)")]
 
 
 def _summary_lines(steps: list[Step]) -> list[str]:
@@ -203,8 +214,9 @@ def _diagnose(out: Path, nvml: str, nccl_size: str | None, env: dict[str, str], 
         code, seconds = _run(name, [*gpu_npd, "--checks", checks, *size, "-o", "json"], out / f"{name}.json",
                              out / f"{name}.stderr.txt", env=env, timeout_s=STEP_TIMEOUT_S[name])
         steps.append(Step(name, code, seconds, _judge_diagnose(out / f"{name}.json", code)))
-    if "diagnose" not in skip:
-        _run("diagnose table", [*gpu_npd, "--checks", every, *size], out / "diagnose.txt", env=env,
+    if "diagnose" not in skip:      # the table a person reads; the NCCL probe's figures are in nccl.json
+        table = ",".join(n for n in every.split(",") if n != "nccl")
+        _run("diagnose table", [*gpu_npd, "--checks", table], out / "diagnose.txt", env=env,
              timeout_s=STEP_TIMEOUT_S["diagnose"])
     return steps
 

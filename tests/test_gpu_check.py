@@ -184,3 +184,16 @@ def test_without_a_gpu_it_says_so_and_exits_2(tmp_path):
     proc = subprocess.run([*TOOL, "--out", str(tmp_path / "x")], capture_output=True, text=True, timeout=60, cwd=REPO)
     assert proc.returncode == 2
     assert "no NVIDIA GPU" in proc.stderr and "--nvml fake:" in proc.stderr
+
+
+def test_largest_mappings_add_up_to_the_process_rss():
+    """This test process's own /proc/self/smaps: every mapping's RSS summed is its VmRSS (both read from
+    the kernel a moment apart), the interpreter's library among them."""
+    mappings = gpu_check.largest_mappings(os.getpid(), top=10_000)
+    status = dict(line.split(":", 1) for line in open("/proc/self/status"))
+    rss_mib = int(status["VmRSS"].split()[0]) / 1024
+    assert abs(sum(m for _, m in mappings) - rss_mib) < max(2.0, 0.05 * rss_mib)
+    assert mappings == sorted(mappings, key=lambda item: -item[1])
+    names = [name for name, _ in mappings]
+    assert any("python" in name or name == "[heap]" for name in names[:5])
+    assert gpu_check.largest_mappings(-1) == []

@@ -348,6 +348,7 @@ def _daemon(out: Path, nvml: str, env: dict[str, str], times: DaemonTimes) -> St
         _wait(times.quiet_s, child)
         sampler.mark("faults")
         details["steady"] = sampler.window("quiet", "faults")
+        details["steady"]["largest_mappings"] = largest_mappings(child.pid)
         details["faults"] = (_provoke(out, emulator, env, times) if real else
                              {"skipped": "a dry run: the fake node lives inside the daemon's process, where no "
                                          "CUDA program can reach it; faults are provoked on a real GPU"})
@@ -568,6 +569,7 @@ def _daemon_summary(details: dict[str, Any]) -> list[str]:
     lines.append(f"footprint: steady RSS {s['rss_mib']} MiB (anon {s['rss_anon_mib']}, file {s['rss_file_mib']}), "
                  f"{s['cpu_millicores']} millicores over {s['seconds']} s, {s['threads']} threads; peak RSS "
                  f"{details['footprint']['peak_rss_mib']} MiB, with children {details['footprint']['peak_tree_rss_mib']} MiB")
+    lines.append("largest mappings (MiB): " + ", ".join(f"{Path(n).name or n} {m}" for n, m in s.get("largest_mappings", [])[:6]))
     return lines
 
 
@@ -660,6 +662,25 @@ def _status(pid: int) -> dict[str, int]:
     except OSError:
         pass
     return fields
+
+
+def largest_mappings(pid: int, smaps: str | None = None, top: int = 12) -> list[list[Any]]:
+    """Where the RSS is: /proc/PID/smaps summed by mapped file ([heap], [stack] and anonymous memory as
+    named there), largest first, in MiB; what a footprint cut has to aim at."""
+    try:
+        text = smaps if smaps is not None else Path(f"/proc/{pid}/smaps").read_text()
+    except OSError:
+        return []
+    totals: dict[str, int] = {}
+    name = "[anonymous]"
+    for line in text.splitlines():
+        head = line.split()
+        if head and "-" in head[0] and len(head) >= 5 and not head[0].endswith(":"):
+            name = head[5] if len(head) > 5 else "[anonymous]"
+        elif head[:1] == ["Rss:"]:
+            totals[name] = totals.get(name, 0) + int(head[1])
+    ranked = sorted(totals.items(), key=lambda item: -item[1])[:top]
+    return [[name, round(kib / 1024, 1)] for name, kib in ranked if kib]
 
 
 def _mib(value: float) -> float:

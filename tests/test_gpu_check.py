@@ -197,3 +197,72 @@ def test_largest_mappings_add_up_to_the_process_rss():
     names = [name for name, _ in mappings]
     assert any("python" in name or name == "[heap]" for name in names[:5])
     assert gpu_check.largest_mappings(-1) == []
+
+
+CUPY_STAND_IN = '''
+"""Stands in for cupy: compiles nothing, and the launched kernel fails at the next synchronize, as a
+faulting CUDA kernel does."""
+import types
+
+launched = []
+
+class RawModule:
+    def __init__(self, code):
+        assert 'extern "C" __global__ void fault(int v)' in code
+    def get_function(self, name):
+        return lambda grid, block, args: launched.append(name)
+
+class Device:
+    def __init__(self, index):
+        pass
+    def synchronize(self):
+        if launched:
+            raise RuntimeError("cudaErrorIllegalAddress: an illegal memory access was encountered")
+
+int32 = int
+cuda = types.SimpleNamespace(Device=Device)
+'''
+
+
+class _GrowingEvents:
+    """The emulator's events as a daemon writes them while faults go on: every look finds each of the
+    real H100's two XID events counted once more (XID 43 never comes)."""
+
+    def __init__(self, messages: dict[str, str]):
+        self.messages, self.looks = messages, 0
+
+    def events(self) -> list[dict]:
+        self.looks += 1
+        return [_event(reason, self.looks, self.messages[reason])
+                for reason in ("Xid31GpuMemoryPageFault", "Xid13GraphicsEngineException")]
+
+
+def test_faults_on_a_gpu_each_run_alone_and_are_matched_to_their_event(tmp_path):
+    """The real-GPU path of the daemon step with cupy stood in: each fault is a process of its own that
+    says its pid and launch time, its CUDA error is kept, and its event is found (or said missing)."""
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "cupy.py").write_text(CUPY_STAND_IN)
+    messages = {e["reason"]: e["message"] for e in json.loads((FIXTURES / "events-h100-vm-580.json").read_text())}
+    times = gpu_check.DaemonTimes(settle_s=0, quiet_s=0, fault_timeout_s=60, event_timeout_s=0.5)
+    faults = gpu_check._provoke(tmp_path, _GrowingEvents(messages), {"PYTHONPATH": str(tmp_path / "lib")}, times)
+    assert [f["kernel"] for f in faults] == [f.kernel for f in gpu_check.FAULTS]
+    pids = [f["pid"] for f in faults]
+    assert all(isinstance(p, int) and p > 0 for p in pids) and len(set(pids)) == len(pids)
+    for f in faults:
+        assert f["via"] == "cupy" and f["exit_code"] == 1 and "cudaErrorIllegalAddress" in f["error"]
+        assert f["launch"] >= f["started"]
+    by_kernel = {f["kernel"]: f for f in faults}
+    assert by_kernel["illegal_address"]["event"]["reason"] == "Xid31GpuMemoryPageFault"
+    assert by_kernel["illegal_address"]["event"]["pid"] == 682          # the real event's own pid
+    assert by_kernel["shared_misaligned"]["event"]["reason"] == "Xid13GraphicsEngineException"
+    # No event about XID 43 changed: the one that did is kept, and its own XID shows the mismatch.
+    assert by_kernel["trap"]["event"]["reason"] == "Xid31GpuMemoryPageFault" and by_kernel["trap"]["event"]["xid"] == 31
+    assert "== trap exit 1" in (tmp_path / "faults.log").read_text()
+    lines = gpu_check._daemon_summary({
+        "verdict": {"conditions_true": [], "device_taint_rules": [], "conditions_seen": 20},
+        "after_faults": {"conditions_true": [], "device_taint_rules": []}, "faults": faults,
+        "steady": {"rss_mib": 50.0, "rss_anon_mib": 30.0, "rss_file_mib": 20.0, "cpu_millicores": 2.5,
+                   "seconds": 30.0, "threads": 6, "largest_mappings": []},
+        "footprint": {"peak_rss_mib": 51.0, "peak_tree_rss_mib": 80.0}})
+    assert any(line.startswith("fault illegal_address (pid ") and "Xid31GpuMemoryPageFault" in line
+               and "process python3, pid 682" in line for line in lines)

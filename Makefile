@@ -65,13 +65,17 @@ demo: install
 	@echo "== XID 79 hits GPU 3 after a few seconds; then the node reboots. Conditions and events as they change:"
 	@$(BIN)/gpu-npd demo
 
-# On a machine with NVIDIA GPUs: real-NVML conformance, diagnose with every check, the NCCL probe and
-# the machine's own nvidia-smi/sysfs output, all in $(GPU_CHECK_OUT)/ (summary.txt first).
-# `make gpu-check GPU_CHECK_NVML=fake:h100-sxm-8` is a dry run without a GPU.
+# On a machine with NVIDIA GPUs: real-NVML conformance, diagnose with every check, the NCCL probe, the
+# daemon against the emulator for a minute with CUDA application faults (cupy or torch), and the machine's
+# own nvidia-smi/proc/dmesg output as a replay fixture, all in $(GPU_CHECK_OUT)/ (summary.txt first).
+# Needs no network: it runs on the Python that has the dependencies (.venv when made, else python3), and
+# installs nothing. `make gpu-check GPU_CHECK_NVML=fake:h100-sxm-8` is a dry run without a GPU.
 GPU_CHECK_OUT ?= gpu-check
 GPU_CHECK_NVML ?= real
-gpu-check: install
-	$(BIN)/python tools/gpu_check.py --out $(GPU_CHECK_OUT) --nvml $(GPU_CHECK_NVML)
+GPU_CHECK_PYTHON ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON))
+GPU_CHECK_ARGS ?=
+gpu-check:
+	$(GPU_CHECK_PYTHON) tools/gpu_check.py --out $(GPU_CHECK_OUT) --nvml $(GPU_CHECK_NVML) $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) $(NVML_COMPAT) *.egg-info .pytest_cache

@@ -803,6 +803,9 @@ def test_readme_site_kustomization_renders(kubectl, tmp_path):
 
 # --- Resources against the footprint budget
 
+REAL_NVML_RSS_MIB = 58      # gpu-npd run, every default check, real one-GPU H100, driver 580 (steady state)
+
+
 def mebibytes(quantity: str) -> float:
     m = re.fullmatch(r"(\d+)(Mi|Gi)", quantity)
     assert m, quantity
@@ -815,11 +818,12 @@ def millicores(quantity: str) -> float:
 
 @pytest.mark.parametrize("name", sorted(DAEMON_VARIANTS))
 def test_daemon_requests_cover_the_footprint_budget(kubectl, name):
-    """DESIGN section 8's budget (bench/footprint.py checks the daemon against it): RSS <= 60 MiB and
-    CPU <= 5 millicores at steady state. A daemon within budget stays within its requests, and the
-    limits leave room above them."""
+    """Sized from real NVML: the daemon held REAL_NVML_RSS_MIB on a real H100 (the fake node, without
+    libnvidia-ml, reads about 20 MiB less), within DESIGN section 8's budget (RSS <= 60 MiB, CPU <= 5
+    millicores). The requests cover the budget with headroom; the limits leave room above them (a
+    kernel-log flood, nvidia-smi's runs)."""
     resources = only_container(one(variant(kubectl, name), "DaemonSet", "gpu-npd"))["resources"]
-    assert mebibytes(resources["requests"]["memory"]) >= 60
-    assert millicores(resources["requests"]["cpu"]) >= 5
-    assert mebibytes(resources["limits"]["memory"]) >= 4 * 60
+    assert mebibytes(resources["requests"]["memory"]) >= 1.25 * max(REAL_NVML_RSS_MIB, 60)
+    assert millicores(resources["requests"]["cpu"]) >= 2 * 5
+    assert mebibytes(resources["limits"]["memory"]) >= 2 * mebibytes(resources["requests"]["memory"])
     assert millicores(resources["limits"]["cpu"]) >= 10 * millicores(resources["requests"]["cpu"])

@@ -22,7 +22,6 @@ from typing import Any
 from detector.daemon.run import DaemonSettings
 from detector.kube.conditions import MARKER
 from detector.kube.device_taints import DeviceTaintSettings
-from fake_nvml.faults import Fault
 
 NODE = "demo-node"
 
@@ -81,6 +80,7 @@ class Watcher:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     from detector.daemon.local import DRA_TAINTS_RBAC, REPO_DEPLOY, local_daemon, publish_gpu_slice
+    from fake_nvml.faults import Fault
     from fake_nvml.scenario import load_scenario
     from kube_emulator import Emulator
 

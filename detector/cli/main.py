@@ -16,12 +16,9 @@ from typing import Sequence
 
 from detector import __version__
 from detector.backends.select import BackendError, open_host
-from detector.checks.xid.logfiles import LogNotFound, saved_logs
-from detector.cli.render import Diagnosis, render_table
 from detector.cli.signals import Interrupted, on_stop_signals, restore
 from detector.config import build_checks, load_check_settings
 from detector.core.check import CheckRegistry
-from detector.agent.oneshot import diagnose_once
 from detector.rules.loader import RuleErrors, RuleSet, load_rules
 from detector.yamlsource import SourceError
 
@@ -202,6 +199,11 @@ def load_selected_checks(registry: CheckRegistry, checks: str | None, config: Pa
 
 
 def cmd_diagnose(args: argparse.Namespace) -> int:
+    # Imported here: `gpu-npd run` (the DaemonSet's long-lived process) never needs them.
+    from detector.agent.oneshot import diagnose_once
+    from detector.checks.xid.logfiles import LogNotFound, saved_logs
+    from detector.cli.render import Diagnosis, render_table
+
     registry = CheckRegistry.from_entry_points()
     ruleset = load_ruleset(args.rules, registry)
     overrides: dict = {}

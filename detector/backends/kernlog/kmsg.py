@@ -139,13 +139,18 @@ def read_boot_id(path: str | os.PathLike[str] = "/proc/sys/kernel/random/boot_id
     return value or None
 
 
-def boot_time() -> float:
-    """Epoch seconds of this boot (psutil: /proc/stat btime, whole seconds); kmsg USEC counts from it."""
+def boot_time(stat: str = "/proc/stat") -> float:
+    """Epoch seconds of this boot: /proc/stat's btime (whole seconds, as psutil.boot_time reads it);
+    kmsg USEC counts from it. Read here, not through psutil, which the daemon would import for this one
+    number (about 1 MiB of its resident memory)."""
     try:
-        import psutil
-        return float(psutil.boot_time())
-    except Exception:  # noqa: BLE001 - any failure: fall back to the monotonic clock, which also starts at boot
-        return time.time() - time.monotonic()
+        with open(stat, "rb") as f:
+            for line in f:
+                if line.startswith(b"btime "):
+                    return float(int(line.split()[1]))
+    except (OSError, ValueError, IndexError):
+        pass
+    return time.time() - time.monotonic()     # the monotonic clock also starts at boot
 
 
 def _unescape(raw: bytes) -> str:

@@ -39,6 +39,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
+REPLAYED = REPO / "tests" / "fixtures" / "real_machines" / "h100-vm-580"
 README = REPO / "README.md"
 SHELL_LANGS = {"sh", "bash", "shell", "console"}
 
@@ -52,7 +53,7 @@ EXCLUDED: list[tuple[str, str]] = [
     (r"^kustomize\b", "kustomize is not installed by `make`; tests/test_deploy*.py check deploy/ offline"),
     (r"^cd deploy/\S* && kustomize\b", "edits deploy/'s kustomization, then `kubectl apply`s it to a cluster"),
     (r"--nvml real\b", "real NVML: needs an NVIDIA GPU and driver"),
-    (r"^gpu-npd (diagnose|run)\b(?!.*--nvml fake:)(?!.*--kernel-log)",
+    (r"^gpu-npd (diagnose|run)\b(?!.*--nvml (fake|replay):)(?!.*--kernel-log)",
      "real NVML (the default `--nvml real`): needs an NVIDIA GPU and driver"),
     (r"^gpu-npd simulate\b(?!.*--emulator)", "plays KWOK nodes on a real cluster (no --emulator)"),
 ]
@@ -123,6 +124,12 @@ RUN: dict[str, Spec] = {
         exit=1, why="'a fake node whose GPU 3 fell off the bus'; exit code 1: a problem was found",
         expect=r"GpuMissing/GpuFellOffBus"),
     "gpu-npd diagnose --nvml fake:h100-sxm-8 -o json": Spec(expect=r'"healthy": true'),
+    "gpu-npd diagnose --nvml replay:nvidia-smi-q.xml":
+        Spec(subst=(("replay:nvidia-smi-q.xml", f"replay:{REPLAYED}/nvidia-smi-q.xml"),),
+             why="the real H100 VM's capture", expect="No problems found"),
+    "gpu-npd diagnose --nvml replay:captured/":
+        Spec(subst=(("replay:captured/", f"replay:{REPLAYED}/"),), why="the real H100 VM's capture folder",
+             expect="No problems found"),
     "gpu-npd diagnose --kernel-log /var/log/kern.log": Spec(
         exit=1, subst=(KERN_LOG,), expect=r"XID 79|xid-79|GpuFellOffBus",
         why="the host's /var/log/kern.log is replaced by a saved log holding an XID 79: a problem, exit 1"),

@@ -185,11 +185,11 @@ class IncidentTracker:
                 if same and last is not None:
                     incident.opened_without_pid = last.incident.opened_without_pid
                     incident.nvml_matched = last.incident.nvml_matched
-                elif taken is not None and self._nvml_earlier(event, taken):
-                    incident.new = False                   # NVML's event of an earlier run counted it
-                    incident.nvml_matched = True
-                    incident.sources.add("nvml")
-                self.groups.append(incident)
+                if not same and taken is not None and self._nvml_earlier(event, taken):
+                    incident.nvml_matched = True           # NVML's event of an earlier run reported it:
+                    incident.sources.add("nvml")           # followed (its later lines join it), not reported
+                else:
+                    self.groups.append(incident)
             if taken is not None:
                 self._kernel_seen.append(_Seen(taken, incident, self.run))
         incident.count += 1

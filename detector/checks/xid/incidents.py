@@ -159,7 +159,7 @@ class IncidentTracker:
             if folded is not None:
                 return folded
         key = (event.kind, event.code, event.pci_bus_id, event.fatal, event.recovery_action, boot, event.detail)
-        last = self._by_key.get(key)
+        last = self._by_key.get(key) if not event.detail else None     # an orphan detail line stands alone
         same = last is not None and _close(last.time, when, self.gap_s) and last.incident.same_fault(event)
         if same and last is not None and last.run == self.run:
             incident = last.incident                       # the same incident goes on

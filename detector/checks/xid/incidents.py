@@ -261,14 +261,6 @@ class IncidentTracker:
         self._last_sxid = _Last(when, last.incident, self.run)
         return last.incident
 
-    def find(self, kind: str, code: int, bus: str) -> Incident | None:
-        """This run's latest incident of (kind, code, bus), from any source."""
-        for incident in reversed(self.groups):
-            e = incident.first
-            if (e.kind, e.code, e.pci_bus_id) == (kind, code, bus):
-                return incident
-        return None
-
     def _follows(self, event: KernelEvent, boot: str, when: float | None) -> int | None:
         if event.kind != "xid":
             return None

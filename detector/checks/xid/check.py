@@ -1,10 +1,12 @@
 """The xid check: XID and NVSwitch SXid events from the kernel log and from NVML, as observations.
 
-One observation stands for one incident (see `incidents`): identical lines close in time, with their
-`count`. The kernel log is read incrementally by the daemon (a reader keeps its cursor; a line must
-provably come from the kernel, since user space can write to syslog and /dev/kmsg), or scanned whole
-for a post-mortem (`kernel_log_file`: the user asked for that log's analysis, so every NVRM/SXid line
-counts, marked `origin: unverified` when its wrapper does not prove the kernel wrote it).
+One observation stands for one incident (see `incidents`): one fault of one process, or identical
+lines close in time, with their `count`. The kernel log is read incrementally by the daemon (a reader
+keeps its cursor; a line must provably come from the kernel, since user space can write to syslog and
+/dev/kmsg), or scanned whole for a post-mortem (`kernel_log_file`). In a saved log, a line whose format
+shows a user-space facility is no event (counted and listed as ignored); one whose format cannot tell
+(plain dmesg) is reported with `origin: unverified`, and the rules act on none of those. NVML's XID
+events and the kernel's lines of the same fault are one incident (`source: both`).
 """
 
 from __future__ import annotations

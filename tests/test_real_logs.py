@@ -13,7 +13,7 @@ from detector.checks.xid.parser import KernelEvent, UuidMapping, parse_line
 
 ROOT = Path(__file__).parent / "fixtures" / "real_logs"
 KINDS = {"xid", "sxid", "uuid", "none"}
-KEYS = {"kind", "code", "bus", "pid", "name", "fatal", "recovery_action", "origin", "uuid"}
+KEYS = {"kind", "code", "bus", "pid", "name", "fatal", "recovery_action", "origin", "uuid", "detail"}
 
 
 def _corpus() -> list[tuple[str, str, object]]:
@@ -57,3 +57,4 @@ def test_real_line(case_id, line, expect):
     for key, attr in (("fatal", "fatal"), ("recovery_action", "recovery_action"), ("origin", "origin")):
         if key in expect:
             assert getattr(parsed, attr) == expect[key], key
+    assert parsed.detail == expect.get("detail", False), "detail"

@@ -29,7 +29,7 @@ XID_RULES = REPO / "rules" / "xid.yaml"
 
 XID_FIELDS = {"kind", "code", "pci_bus_id", "fatal", "recovery_action", "message", "pid", "process_name",
               "count", "source", "boot", "line", "incidents", "follows", "origin", "gpu_instance", "nvlink_unit",
-              "nvlink_subcode", "link"}
+              "nvlink_subcode", "link", "applications", "detail"}
 KNOWN_FIELDS = {"xid": XID_FIELDS | set(COMMON_FIELDS)}
 
 # NVIDIA's immediate-action bucket per code; workflow buckets resolved as the project decided
@@ -84,8 +84,8 @@ def raw_rules() -> list[dict[str, Any]]:
 
 
 def per_code_rules() -> list[dict[str, Any]]:
-    """The catalogue rules: not fallbacks, not escalations (count/boots)."""
-    return [r for r in raw_rules() if not EXTENSION_KEYS & set(r)]
+    """The catalogue rules: not fallbacks, not escalations (count/boots, or the applications evidence)."""
+    return [r for r in raw_rules() if not EXTENSION_KEYS & set(r) and "applications" not in r["when"]]
 
 
 def codes_in(when: str) -> set[int]:
@@ -97,11 +97,12 @@ def codes_in(when: str) -> set[int]:
 
 def fields(code: int, kind: str = "xid", fatal: bool | None = None, recovery_action: str = "",
            count: int = 1, boot: str = "boot-1", message: str = "the rest of the line",
-           incidents: int = 1) -> dict[str, Any]:
+           incidents: int = 1, applications: int | None = None, origin: str = "kernel",
+           detail: bool = False) -> dict[str, Any]:
     return {"kind": kind, "code": code, "pci_bus_id": GPU.pci_bus_id, "fatal": fatal,
             "recovery_action": recovery_action, "message": message, "pid": 4242, "process_name": "python3",
-            "count": count, "incidents": incidents, "follows": None, "origin": "kernel", "gpu_instance": None,
-            "source": "kernel", "boot": boot, "line": 17,
+            "count": count, "incidents": incidents, "follows": None, "origin": origin, "gpu_instance": None,
+            "source": "kernel", "boot": boot, "line": 17, "applications": applications, "detail": detail,
             "check": "xid", "check_status": "ok", "check_error": "", "duration_ms": 3.0}
 
 
@@ -149,7 +150,9 @@ def test_each_simple_code_has_exactly_one_rule_with_its_bucket_and_policy():
         report, severity = POLICY[bucket]
         assert (r["name"], r["action"], r.get("report", "condition"), r["severity"], r["type"]) == \
                (f"xid-{code}", bucket, report, severity, "GpuXidError"), code
-        assert r["when"] == f'kind == "xid" and code == {code}'
+        # A condition needs a line the kernel provably wrote; an event rule takes any line.
+        guard = 'origin == "kernel" and ' if report == "condition" else ""
+        assert r["when"] == f'{guard}kind == "xid" and code == {code}'
         assert r.get("description"), f"xid-{code} has no description"
 
 
@@ -171,9 +174,10 @@ def test_application_and_ignore_classes_are_events_in_the_file():
 def test_fallbacks_and_escalations_are_declared():
     rules = {r["name"]: r for r in raw_rules()}
     fallbacks = {r["name"] for r in rules.values() if r.get("fallback") is True}
-    assert fallbacks == {"xid-unknown", "sxid-unknown"}
+    assert fallbacks == {"xid-unknown", "sxid-unknown", "xid-unverified-origin"}
     app = rules["xid-application-errors-repeated"]
-    assert (app["count"], app["window"], app["action"], app["severity"]) == (2, "24h", "RESET_GPU", "warning")
+    assert (app["action"], app["severity"], app["report"]) == ("INSPECT", "warning", "condition")
+    assert "count" not in app and "applications >= 3" in app["when"]
     assert codes_in(app["when"]) == {13, 31}
     assert rules["xid-fatal-repeated"]["count"] == 5 and rules["xid-fatal-repeated"]["window"] == "24h"
     # Every reset- or reboot-class code (and the NVLink5 family) escalates when it survives a reboot.
@@ -330,16 +334,49 @@ def rules_of(problems: list[Problem]) -> set[str]:
     return {p.rule for p in problems}
 
 
-def test_xid_13_or_31_twice_escalates_to_reset(ruleset):
-    problems = evaluate(ruleset, fields(13), fields(31))
-    assert "xid-application-errors-repeated" in rules_of(problems)
+def test_one_application_faulting_again_and_again_never_escalates(ruleset):
+    """Faults of one program (one process name, however many pids) are its bug, not the GPU's."""
+    problems = evaluate(ruleset, *[fields(13, applications=1)] * 5, *[fields(31, applications=1)] * 5)
+    assert rules_of(problems) == {"xid-13", "xid-31"}
+    assert all(p.report == "event" for p in problems)
+    assert "xid-application-errors-repeated" not in rules_of(evaluate(ruleset, fields(13, applications=2)))
+    # A fault whose process is unknown is no evidence (the check gives it the count it has: here none).
+    assert rules_of(evaluate(ruleset, fields(13))) == {"xid-13"}
+
+
+def test_13_or_31_from_three_different_applications_asks_for_diagnostics(ruleset):
+    problems = evaluate(ruleset, fields(13, applications=1), fields(31, applications=2), fields(13, applications=3))
     esc = next(p for p in problems if p.rule == "xid-application-errors-repeated")
-    assert (esc.report, esc.severity.value, esc.action, esc.type) == ("condition", "warning", "RESET_GPU",
+    assert (esc.report, esc.severity.value, esc.action, esc.type) == ("condition", "warning", "INSPECT",
                                                                       "GpuXidError")
-    assert "xid-application-errors-repeated" in rules_of(evaluate(ruleset, fields(13), fields(13)))
-    assert "xid-application-errors-repeated" not in rules_of(evaluate(ruleset, fields(13)))
-    # Repeats count incidents, not lines: one burst of two identical lines is one incident.
-    assert "xid-application-errors-repeated" not in rules_of(evaluate(ruleset, fields(13, count=2)))
+    assert "3 different applications" in esc.message and "dcgmi diag" in esc.message
+    # Never a reset, whatever the count.
+    assert all(p.action != "RESET_GPU" for p in evaluate(ruleset, *[fields(13, applications=9)] * 9))
+    # A continuation (incidents 0) is not a new fault.
+    assert "xid-application-errors-repeated" not in rules_of(evaluate(ruleset, fields(13, applications=3,
+                                                                                          incidents=0)))
+
+
+@pytest.mark.parametrize("code", sorted(c for c, b in CATALOGUE.items() if POLICY[b][0] == "condition"))
+def test_an_unverified_line_never_sets_a_condition(ruleset, code):
+    """Plain dmesg cannot tell the kernel's lines from user space's: reported for a person, not acted on."""
+    p = only(evaluate(ruleset, fields(code, origin="unverified")))
+    assert (p.rule, p.report, p.severity.value, p.action) == ("xid-unverified-origin", "event", "warning", "INSPECT")
+    assert f"xid {code} in a line whose origin" in p.message
+
+
+def test_an_unverified_application_fault_is_still_its_event(ruleset):
+    p = only(evaluate(ruleset, fields(13, origin="unverified", applications=5)))
+    assert (p.rule, p.report) == ("xid-13", "event")
+    assert only(evaluate(ruleset, fields(20034, kind="sxid", fatal=True, origin="unverified"))).rule == \
+        "xid-unverified-origin"
+
+
+def test_an_orphan_sxid_detail_line_is_its_own_event(ruleset):
+    p = only(evaluate(ruleset, fields(20034, kind="sxid", detail=True,
+                                      message="Severity 1 Engine instance 60 Sub-engine instance 00")))
+    assert (p.rule, p.report, p.action) == ("sxid-detail-without-headline", "event", "INSPECT")
+    assert "Severity 1 Engine instance 60" in p.message
 
 
 def test_reset_class_xid_in_two_boots_escalates_to_support(ruleset):

@@ -101,9 +101,14 @@ def _log(lines: list[str]) -> str:
     return "".join(line + "\n" for line in lines)
 
 
+def _kern(lines: list[str]) -> str:
+    """`dmesg -x`: each line with the kernel's facility, so its XIDs are proven kernel lines."""
+    return _log([f"kern  :err   : {line}" for line in lines])
+
+
 def test_saved_log_post_mortem_lists_every_xid_line_in_input_order(tmp_path, registry):
     log = tmp_path / "kern.log"
-    log.write_text(_log([
+    log.write_text(_kern([
         "[    5.000000] NVRM: GPU at PCI:0000:5d:00: GPU-11111111-2222-3333-4444-555555555555",
         "[   10.000000] eth0: link up",
         "[   11.000000] NVRM: Xid (PCI:0000:5d:00): 13, pid=4242, name=python3, Graphics Exception",
@@ -138,7 +143,7 @@ def test_stdin_post_mortem(registry):
 
 
 def test_a_flood_of_identical_lines_is_one_observation_and_a_few_problems(tmp_path, registry):
-    flood = "[ 100.000000] NVRM: Xid (PCI:0000:5d:00): 95, pid=7, name=python3, Uncontained: FBHUB. RST: Yes\n"
+    flood = "kern  :err   : [ 100.000000] NVRM: Xid (PCI:0000:5d:00): 95, pid=7, name=python3, Uncontained: FBHUB. RST: Yes\n"
     path = tmp_path / "flood.log"
     with path.open("w") as f:
         for i in range(50):
@@ -154,21 +159,31 @@ def test_a_flood_of_identical_lines_is_one_observation_and_a_few_problems(tmp_pa
     assert out.rules() == {"xid-95"}
 
 
-def test_application_xids_repeated_escalate(tmp_path, registry):
+def test_application_xids_from_three_applications_escalate(tmp_path, registry):
+    faults = ["[ 10.0] NVRM: Xid (PCI:0000:9a:00): 13, pid=1, name=a, Graphics Exception",
+              "[ 20.0] NVRM: Xid (PCI:0000:9a:00): 31, pid=2, name=b, MMU Fault",
+              "[ 30.0] NVRM: Xid (PCI:0000:9a:00): 13, pid=3, name=a, Graphics Exception",
+              "[ 40.0] NVRM: Xid (PCI:0000:2a:00): 13, pid=4, name=c, Graphics Exception"]   # another GPU
     path = tmp_path / "k.log"
-    path.write_text(_log([
-        "[ 10.0] NVRM: Xid (PCI:0000:9a:00): 13, pid=1, name=a, Graphics Exception",
-        "[ 20.0] NVRM: Xid (PCI:0000:9a:00): 31, pid=2, name=b, MMU Fault",
-    ]))
-    out = diagnose_host(fake_host(node_for("h100-sxm-8")), registry, checks=["xid"],
-                        settings={"xid": {"kernel_log_file": str(path)}})
+    path.write_text(_kern(faults))
+    settings = {"xid": {"kernel_log_file": str(path)}}
+    out = diagnose_host(fake_host(node_for("h100-sxm-8")), registry, checks=["xid"], settings=settings)
+    assert out.rules() == {"xid-13", "xid-31"}            # two applications on GPU 4: theirs to fix
+    assert [o.fields["applications"] for o in out.sweep.runs[0].observations] == [1, 2, 2, 1]
+    path.write_text(_kern([*faults, "[ 50.0] NVRM: Xid (PCI:0000:9a:00): 31, pid=5, name=c, MMU Fault"]))
+    out = diagnose_host(fake_host(node_for("h100-sxm-8")), registry, checks=["xid"], settings=settings)
     assert out.rules() == {"xid-13", "xid-31", "xid-application-errors-repeated"}
-    assert [g.index for g in out.by_rule()["xid-application-errors-repeated"].gpus] == [4]
+    esc = out.by_rule()["xid-application-errors-repeated"]
+    assert [g.index for g in esc.gpus] == [4] and esc.action == "INSPECT" and esc.report == "condition"
+    # A shorter window keeps them apart.
+    out = diagnose_host(fake_host(node_for("h100-sxm-8")), registry, checks=["xid"],
+                        settings={"xid": {**settings["xid"], "application_window_s": 15.0}})
+    assert out.rules() == {"xid-13", "xid-31"}
 
 
 def test_a_fatal_xid_recurring_after_a_reboot_escalates(tmp_path, registry):
     path = tmp_path / "k.log"
-    path.write_text(_log([
+    path.write_text(_kern([
         "[ 500.0] NVRM: Xid (PCI:0000:ab:00): 48, pid=1, name=a, DBE",
         "[   0.0] Linux version 6.8.0 (builder@host) #1 SMP",
         "[ 300.0] NVRM: Xid (PCI:0000:ab:00): 48, pid=1, name=a, DBE",
@@ -183,7 +198,7 @@ def test_a_fatal_xid_recurring_after_a_reboot_escalates(tmp_path, registry):
 
 def test_xid_154_takes_its_action_from_the_line(tmp_path, registry):
     path = tmp_path / "k.log"
-    path.write_text(_log(["NVRM: Xid (PCI:0000:db:00): 154, GPU recovery action changed from 0x0 (None) to "
+    path.write_text(_log(["kernel: NVRM: Xid (PCI:0000:db:00): 154, GPU recovery action changed from 0x0 (None) to "
                           "0x2 (Node Reboot Required)"]))
     out = diagnose_host(fake_host(node_for("h100-sxm-8")), registry, checks=["xid"],
                         settings={"xid": {"kernel_log_file": str(path)}})

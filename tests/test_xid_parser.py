@@ -21,7 +21,7 @@ from datetime import datetime, timezone
 
 import pytest
 
-from detector.checks.xid.parser import UNVERIFIED, BootBanner, KernelEvent, UuidMapping, parse_line, parse_message
+from detector.checks.xid.parser import UNVERIFIED, USER_SPACE, BootBanner, KernelEvent, UuidMapping, parse_line, parse_message
 from detector.checks.xid.scan import scan_stream
 
 YEAR = 2025
@@ -332,17 +332,36 @@ UNVERIFIED_WRAPPERS = [
     ("journal-user-unit", "Oct 06 17:59:27.123456 gpu-node-7 python3[4242]: NVRM: Xid (PCI:0000:3b:00): 48, "
      "pid='<unknown>', name=<unknown>, An uncorrectable double bit error (DBE) has been detected on GPU"),
     ("rfc3339-logger", f"2025-10-06T17:59:27.123456+00:00 gpu-node-7 logger: {X79}"),
+    # Plain dmesg prints a line user space wrote to /dev/kmsg exactly like the kernel's.
+    ("dmesg", f"[  123.456789] {X79}"),
+    ("dmesg-T", f"[Mon Oct  6 17:59:27 2025] {X79}"),
+    ("bare", X79),
+]
+# Formats that show the facility, and it is not the kernel's: user space wrote the line.
+USER_SPACE_WRAPPERS = [
     ("syslog-pri-user-program", f"<30>Oct  6 17:59:27 gpu-node-7 myapp: {X79}"),
     ("kmsg-user-facility", f"12,55,123456,-;{X79}"),
     ("kmsg-daemon-facility", "30,56,123456,-;nvidia-nvswitch0: SXid (PCI:0000:0a:00.0): 24007, Fatal, "
      "Link 08 sourcetrack TCEN0 crumbstore ECC DBE Error"),
     ("dmesg-x-user-facility", f"user  :warn  : [  123.456789] {X79}"),
+    ("journal-json-stdout", '{"MESSAGE": "' + X79 + '", "_TRANSPORT": "stdout", "_BOOT_ID": "b"}'),
 ]
 
 
 @pytest.mark.parametrize("line", [pytest.param(line, id=i) for i, line in UNVERIFIED_WRAPPERS])
 def test_unproven_wrapper_is_an_unverified_event(line):
     ev = parse_line(line, year=YEAR)
+    assert isinstance(ev, KernelEvent) and ev.origin == UNVERIFIED
+
+
+@pytest.mark.parametrize("line", [pytest.param(line, id=i) for i, line in USER_SPACE_WRAPPERS])
+def test_a_shown_user_space_facility_is_user_space(line):
+    ev = parse_line(line, year=YEAR)
+    assert isinstance(ev, KernelEvent) and ev.origin == USER_SPACE
+
+
+def test_journal_json_without_transport_cannot_tell():
+    ev = parse_line('{"MESSAGE": "' + X79 + '"}')
     assert isinstance(ev, KernelEvent) and ev.origin == UNVERIFIED
 
 
@@ -400,13 +419,6 @@ NOT_EVENTS = [
     ("pcieport-aer", "[  200.000000] pcieport 0000:00:01.0: AER: Uncorrected (Fatal) error received: 0000:01:00.0"),
     ("nvidia-modeset", "[  300.000000] nvidia-modeset: ERROR: GPU:0: Idling display engine timed out: "
      "0x0000c67d:0:0:1128"),
-    # SXid detail continuation lines (belong to the SXid just before them)
-    ("sxid-detail-severity", "nvidia-nvswitch3: SXid (PCI:0000:05:00.0): 12028, Severity 1 Engine instance 32 "
-     "Sub-engine instance 00"),
-    ("sxid-detail-severity-dmesg", "[   38.180708] nvidia-nvswitch3: SXid (PCI:0000:04:00.0): 22013, Severity 0 "
-     "Engine instance 44 Sub-engine instance 00"),
-    ("sxid-detail-data", "[   38.175561] nvidia-nvswitch3: SXid (PCI:0000:04:00.0): 22013, Data {0x0000002b, "
-     "0x0000002b, 0x00000000, 0x0000002b, 0x80005302, 0x00000000, 0x00000000, 0x00000000, 0x00000000}"),
     ("empty", ""),
 ]
 
@@ -416,6 +428,24 @@ def test_look_alike_is_not_an_event(line):
     assert parse_line(line, year=YEAR) is None
 
 
+SXID_DETAILS = [
+    ("sxid-detail-severity", "nvidia-nvswitch3: SXid (PCI:0000:05:00.0): 12028, Severity 1 Engine instance 32 "
+     "Sub-engine instance 00"),
+    ("sxid-detail-severity-dmesg", "[   38.180708] nvidia-nvswitch3: SXid (PCI:0000:04:00.0): 22013, Severity 0 "
+     "Engine instance 44 Sub-engine instance 00"),
+    ("sxid-detail-data", "[   38.175561] nvidia-nvswitch3: SXid (PCI:0000:04:00.0): 22013, Data {0x0000002b, "
+     "0x0000002b, 0x00000000, 0x0000002b, 0x80005302, 0x00000000, 0x00000000, 0x00000000, 0x00000000}"),
+]
+
+
+@pytest.mark.parametrize("line", [pytest.param(line, id=i) for i, line in SXID_DETAILS])
+def test_sxid_detail_line_is_a_detail_event(line):
+    """The incidents fold it into the headline just before it, or report it alone (tests/test_xid_check.py)."""
+    ev = parse_line(line, year=YEAR)
+    assert isinstance(ev, KernelEvent) and ev.kind == "sxid" and ev.detail and ev.fatal is None
+    assert ev.message.startswith(("Severity ", "Data {"))
+
+
 # --------------------------------------------------------------------------------------------------
 # Once bugs: user-space <PRI>, PCI domains above 0xffff
 # --------------------------------------------------------------------------------------------------
@@ -423,9 +453,9 @@ def test_look_alike_is_not_an_event(line):
     pytest.param(f"<12>[  123.456789] {X79}", id="dmesg-r-user-facility"),
     pytest.param(f"<14>{X79}", id="pri-user-facility"),
 ])
-def test_raw_pri_with_user_facility_is_unverified(line):
+def test_raw_pri_with_user_facility_is_user_space(line):
     ev = parse_line(line, year=YEAR)
-    assert isinstance(ev, KernelEvent) and ev.origin == UNVERIFIED
+    assert isinstance(ev, KernelEvent) and ev.origin == USER_SPACE
 
 
 def test_domain_above_ffff_is_an_event_with_the_full_domain():
@@ -459,7 +489,6 @@ NOISE = [
     "",
     "[Mon Oct  6 17:59:30 2025] NVRM: nvidia-bug-report: collecting",   # NVRM, but not an event
     "[  125.000000] NVRM: GPU 0000:18:00.0: RmInitAdapter failed! (0x25:0x65:1457)",
-    "[  125.100000] nvidia-nvswitch3: SXid (PCI:0000:05:00.0): 12028, Data {0x00000000, 0x00000001}",
     "[    0.000000] Linux version 6.8.0-45-generic (buildd@lcy02-amd64-115) #45-Ubuntu SMP",
 ]
 
@@ -608,10 +637,11 @@ def test_scan_line_numbers_by_hand():
             b"NVRM: GPU at PCI:0000:06:00: GPU-604D7F6A-1C2B-4E3D-9F8A-0B1C2D3E4F50")
     for chunk in CHUNKS:
         got, stats = _scan(io.BytesIO(data), chunk)
-        assert [(n, type(p).__name__) for n, p, _ in got] == [(2, "KernelEvent"), (6, "UuidMapping")]
+        assert [(n, type(p).__name__) for n, p, _ in got] == [(2, "KernelEvent"), (4, "KernelEvent"),
+                                                               (6, "UuidMapping")]
         assert got[0][2].endswith("\r")              # the raw line is handed over as read
         assert got[0][1].monotonic_s == 1.0
-        assert got[1][1] == UuidMapping("0000:06:00.0", UUID_A)
+        assert got[1][1].detail and got[2][1] == UuidMapping("0000:06:00.0", UUID_A)
         assert stats.lines == 6
 
 

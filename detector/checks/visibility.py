@@ -1,6 +1,8 @@
 """Can every GPU the node has actually be used? The PCI bus (what is plugged in), NVML (what the
 driver offers) and `nvidia-smi -L` (what tools see) should tell the same story; where they do not,
-the bus ids that differ are named."""
+the bus ids that differ are named. A bus id only nvidia-smi names (it cannot open a GPU that neither
+NVML nor the PCI bus lists, as after a GPU dropped off a passthrough VM's bus) is a GPU of its own,
+never dropped."""
 
 from __future__ import annotations
 
@@ -62,7 +64,7 @@ class VisibilityCheck(Check):
         if len(self._uuids) < 1024:
             self._uuids.update({g.pci_bus_id: g.uuid for g in inv.gpus if g.pci_bus_id and g.uuid})
         by_bus = inv.by_bus_id()
-        bus_ids = sorted({d.bus_id for d in pci or []} | set(by_bus))
+        bus_ids = sorted({d.bus_id for d in pci or []} | set(by_bus) | set(smi.errors))
         pci_by_bus = {d.bus_id: d for d in pci or []}
 
         observations = [self._gpu_observation(b, pci_by_bus.get(b), by_bus.get(b), inv, smi) for b in bus_ids]
@@ -79,9 +81,11 @@ class VisibilityCheck(Check):
             "smi_error": smi.detail,
         }
         observations.append(Observation(self.name, node))
+        known = set(pci_by_bus) | set(by_bus)
         result = {**node, "pci_error": pci_error,
                   "missing_bus_ids": [o.gpu.pci_bus_id for o in observations
-                                      if o.gpu and o.fields["in_nvml"] is False]}
+                                      if o.gpu and o.fields["in_nvml"] is False],
+                  "smi_only_bus_ids": sorted(set(smi.errors) - known)}
         return CheckOutput(observations, result)
 
     def _gpu_observation(self, bus_id: str, dev: PciDevice | None, info: GpuInfo | None, inv: Inventory,

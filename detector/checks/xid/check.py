@@ -1,24 +1,27 @@
 """The xid check: XID and NVSwitch SXid events from the kernel log and from NVML, as observations.
 
-One observation stands for one incident (see `incidents`): identical lines close in time, with their
-`count`. The kernel log is read incrementally by the daemon (a reader keeps its cursor; a line must
-provably come from the kernel, since user space can write to syslog and /dev/kmsg), or scanned whole
-for a post-mortem (`kernel_log_file`: the user asked for that log's analysis, so every NVRM/SXid line
-counts, marked `origin: unverified` when its wrapper does not prove the kernel wrote it).
+One observation stands for one incident (see `incidents`): one fault of one process, or identical
+lines close in time, with their `count`. The kernel log is read incrementally by the daemon (a reader
+keeps its cursor; a line must provably come from the kernel, since user space can write to syslog and
+/dev/kmsg), or scanned whole for a post-mortem (`kernel_log_file`). In a saved log, a line whose format
+shows a user-space facility is no event (counted and listed as ignored); one whose format cannot tell
+(plain dmesg) is reported with `origin: unverified`, and the rules act on none of those. NVML's XID
+events and the kernel's lines of the same fault are one incident (`source: both`).
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from datetime import datetime, timezone
 from typing import Any
 
 from detector.backends.kernlog.records import LogLine, is_kernel
+from detector.checks.xid.applications import GPU_SUSPECT_XIDS, ApplicationFaults
 from detector.checks.xid.incidents import IncidentTracker, gpu_for
 from detector.checks.xid.logfiles import LogNotFound, SavedLog, looks_like_kernel_log, read_head, saved_logs
 from detector.checks.xid.nvml_events import NvmlXidListener
-from detector.checks.xid.parser import KERNEL, KernelEvent, SplitStart, UuidMapping, parse_line
+from detector.checks.xid.parser import KERNEL, USER_SPACE, KernelEvent, SplitStart, UuidMapping, parse_line
 from detector.checks.xid.scan import scan_stream
 from detector.checks.xid.timeline import SavedLogTimeline
 from detector.core.check import Check, CheckOutput, ConfigField
@@ -48,28 +51,13 @@ FIELDS = {
     "nvlink_unit": "XID 144-150: the NVLink5 unit (SAW, RLW, TLW, TREX, NVLPW_CTRL, NETIR, MSE), else ''",
     "nvlink_subcode": "XID 144-150: the unit's subcode the line starts with (RLW_REMAP, NETIR_LINK_EVT, ...)",
     "link": "XID 144-150: the NVLink the line names, else null",
+    "detail": "SXid: a Severity/Data detail line whose headline (same switch and code) did not come just "
+              "before it (one that did is folded into its headline's incident)",
+    "applications": "XID 13/31: how many different applications (process names) raised XID 13 or 31 on this "
+                    "GPU within application_window_s, this one included; else null",
 }
+TABLE_IGNORED = 5          # user-space lines named in diagnose's table
 TABLE_EVENTS = 20          # kernel events listed in diagnose's table; JSON lists up to max_kernel_events
-
-
-@dataclass
-class _Recent:
-    """When each source last saw each (kind, code, bus), so one XID seen by both sources counts once.
-    Constant time per line, even in a flood; bounded by the number of distinct XIDs."""
-
-    window_s: float
-    seen: dict[tuple[str, int, str], dict[str, float]] = field(default_factory=dict)
-    limit: int = 4096
-
-    def add(self, source: str, kind: str, code: int, bus: str, now: float) -> None:
-        key = (kind, code, bus)
-        if key not in self.seen and len(self.seen) >= self.limit:
-            self.seen.pop(next(iter(self.seen)))
-        self.seen.setdefault(key, {})[source] = now
-
-    def has_other(self, source: str, kind: str, code: int, bus: str, now: float) -> bool:
-        by_source = self.seen.get((kind, code, bus), {})
-        return any(s != source and now - t <= self.window_s for s, t in by_source.items())
 
 
 class XidCheck(Check):
@@ -86,6 +74,9 @@ class XidCheck(Check):
         "incident_gap_s": ConfigField(float, 60.0, "identical lines further apart than this are separate "
                                                    "incidents"),
         "max_kernel_events": ConfigField(int, 1_000, "XID lines listed per run in the report (all are counted)"),
+        "application_window_s": ConfigField(float, 86_400.0, "XID 13/31 from different applications on one GPU "
+                                                             "within this long count together (field "
+                                                             "`applications`)"),
     }
     default_interval_s = 5.0
     default_timeout_s = 60.0
@@ -94,8 +85,8 @@ class XidCheck(Check):
     def __init__(self, config: dict[str, Any] | None = None):
         super().__init__(config)
         self._listener: NvmlXidListener | None = None
-        self._recent = _Recent(self.config["dedupe_window_s"])
-        self._incidents = IncidentTracker(self.config["incident_gap_s"])
+        self._incidents = IncidentTracker(self.config["incident_gap_s"], self.config["dedupe_window_s"])
+        self._applications = ApplicationFaults(self.config["application_window_s"])
         self._uuids: dict[str, str] = {}          # bus id -> UUID, from `NVRM: GPU at ...` lines
         self._live_boots = SavedLogTimeline()     # boots of a live reader that knows no boot id
         self._file_done = False
@@ -104,7 +95,7 @@ class XidCheck(Check):
     def run(self, ctx: SweepContext) -> CheckOutput:
         if ctx.host.current_boot() != self._boot:     # a fake node rebooted under a running agent: an XID of
             self._boot = ctx.host.current_boot()      # the new boot is never a duplicate of the old one's
-            self._recent = _Recent(self.config["dedupe_window_s"])
+            self._incidents.forget_sources()
         gpus = {g.pci_bus_id: g.ref() for g in ctx.inventory.gpus if g.pci_bus_id}
         self._uuids.update({g.pci_bus_id: g.uuid for g in ctx.inventory.gpus if g.pci_bus_id and g.uuid})
         self._incidents.start_run()
@@ -117,6 +108,7 @@ class XidCheck(Check):
         else:
             source, summary, error = self._read_live(ctx, run), "", ""
         now = time.time()
+        self._count_applications()
         observations = [Observation(self.name, i.fields(), gpu_for(i.first.pci_bus_id, gpus, self._uuids),
                                     i.first_time if i.first_time is not None else now)
                         for i in self._incidents.groups]
@@ -124,11 +116,19 @@ class XidCheck(Check):
             "kernel_log": source, "lines_scanned": run.lines, "nvml_events": nvml_count,
             "kernel_events": run.events, "kernel_events_omitted": run.omitted,
             "incidents": sum(o.fields["incidents"] for o in observations),
-            "groups_overflow": self._incidents.overflow, **run.saved,
+            "groups_overflow": self._incidents.overflow, "ignored_events": run.ignored, **run.saved,
         }
         if self._listener and self._listener.error:
             result["nvml_events_error"] = self._listener.error
         return CheckOutput(observations, result, summary, error)
+
+    def _count_applications(self) -> None:
+        """XID 13/31 incidents learn how many applications have faulted on their GPU (in time order)."""
+        for i in sorted(self._incidents.groups, key=lambda i: (i.first_time is None, i.first_time or 0.0)):
+            e = i.first
+            if e.kind == "xid" and e.code in GPU_SUSPECT_XIDS and e.pci_bus_id:
+                i.applications = self._applications.see(e.pci_bus_id, e.process_name, i.first_time,
+                                                        new=i.new and i.follows is None)
 
     # -- the live kernel log ---------------------------------------------------------------------
 
@@ -168,7 +168,7 @@ class XidCheck(Check):
             if not recognised:
                 unrecognised.append(log.name)
         run.saved = {"files": files, "boots": timeline.boots, "times": timeline.describe_times(),
-                     "unverified_events": run.unverified}
+                     "unverified_events": run.unverified, "ignored": run.ignored_lines}
         name = logs[0].name if len(logs) == 1 else f"{spec} ({len(logs)} files)"
         error = "; ".join(f"no kernel-log lines recognised in {n}" for n in unrecognised)
         return name, _summary(name, run, timeline), error
@@ -215,7 +215,7 @@ class XidCheck(Check):
         for e in events:
             bus = e.gpu.pci_bus_id or ""
             event = KernelEvent("xid", e.code, bus, "reported by NVML's event API")
-            run.take(event, None, ctx.host.current_boot(), e.arrived, "nvml")
+            self._incidents.add_nvml(event, ctx.host.current_boot(), e.arrived)
         return len(events)
 
 
@@ -235,25 +235,22 @@ class _Run:
         self.omitted = 0
         self.lines = 0
         self.unverified = 0
+        self.ignored = 0
+        self.ignored_lines: list[dict[str, Any]] = []
         self.saved: dict[str, Any] = {}
 
     def take(self, event: KernelEvent, lineno: int | None, boot: str, when: float | None, source: str,
              seq: int | None = None, file: str | None = None) -> None:
-        recent = self.check._recent
-        now = time.time()
-        duplicate = recent.has_other(source, event.kind, event.code, event.pci_bus_id, now)
-        recent.add(source, event.kind, event.code, event.pci_bus_id, now)
-        if source == "kernel":
-            self._list(event, lineno, seq, boot, file)
-        incidents = self.check._incidents
-        if duplicate:
-            incident = incidents.find(event.kind, event.code, event.pci_bus_id)
-            if incident is not None:               # (else an earlier run reported it already)
-                incident.sources.add(source)       # the same XID through the other source: count once
-                if source == "kernel":             # the kernel's line says more (message, process)
-                    incident.first, incident.line = event, lineno
+        """A kernel-log line. One a user-space facility wrote (the log's format shows it) is no XID:
+        it is counted and named as ignored, never an event."""
+        if event.origin == USER_SPACE:
+            self.ignored += 1
+            if len(self.ignored_lines) < self.check.config["max_kernel_events"]:
+                self.ignored_lines.append({"kind": event.kind, "code": event.code, "line": lineno, "file": file,
+                                           "message": event.message})
             return
-        incidents.add(event, boot, when, lineno, file, source)
+        self._list(event, lineno, seq, boot, file)
+        self.check._incidents.add(event, boot, when, lineno, file, source, taken=time.time())
 
     def _list(self, event: KernelEvent, lineno: int | None, seq: int | None, boot: str, file: str | None) -> None:
         if event.origin != KERNEL:
@@ -300,4 +297,9 @@ def _summary(name: str, run: _Run, timeline: SavedLogTimeline) -> str:
     if total > TABLE_EVENTS:
         rows.append(f"  ... {total - TABLE_EVENTS:,} more (-o json lists up to "
                     f"{run.check.config['max_kernel_events']:,})")
+    if run.ignored:
+        where = ", ".join(f"line {i['line']}" for i in run.ignored_lines[:TABLE_IGNORED])
+        more = f", +{run.ignored - TABLE_IGNORED:,} more" if run.ignored > TABLE_IGNORED else ""
+        rows.append(f"  ignored: {run.ignored:,} line(s) written by user space (the log shows a non-kernel "
+                    f"facility), never an event: {where}{more}")
     return "\n".join([head, *rows])

@@ -8,13 +8,24 @@
   another XID on that GPU, XID 45 `... caused by previous Xid N`, and an NVLink 144-150 line naming a
   link that another 144-150 line named just before. They stay observations of their own (their rules
   still fire), with `incidents: 0` and `follows: N`, so `*-repeated` rules count each fault once.
+- Application faults are about processes. An application-class XID (`APPLICATION_XIDS`) is one
+  incident per fault of one process: the driver may print the pid on any of a fault's lines (driver
+  580 prints XID 13's SM warp exception and ESR lines without it, then a line with `pid=`/`name=`), so
+  the incident takes the pid and name from whichever line has them; a line naming another pid, or a
+  pid-less line after the line that completed a fault, starts a new incident, however close in time.
+- An NVSwitch SXid `Severity`/`Data` detail line belongs to its headline only when the SXid line just
+  before it was that headline's (same switch, same code); an orphan detail line is an incident of its own.
+- The same XID through NVML's event API (code and GPU only) is matched to one kernel incident of that
+  code and GPU seen within `match_window_s`, and vice versa, so a fault counts once whichever source
+  saw it first; two faults are two NVML events and match two incidents.
 - Lines without a time are all one instant. The tracker outlives one run of the check (the daemon
   reads the log in small pieces), so an incident split across two runs still counts once.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections import deque
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from detector.checks.xid.parser import KernelEvent
@@ -22,6 +33,12 @@ from detector.core.types import GpuRef
 
 MAX_GROUPS = 4096          # incidents kept per run; more are counted only
 _REMEMBERED = 4096         # keys and GPUs remembered across runs
+
+# XIDs NVIDIA's catalogue puts in the RESTART_APP bucket, and the IGNORE-bucket codes that name the
+# process whose channel faulted (43, 44, 45): each is about one process. Left out: 94 (a contained ECC
+# error: one memory error prints a line for every process it touched, and is one incident).
+APPLICATION_XIDS = frozenset({8, 11, 13, 25, 31, 32, 39, 40, 41, 43, 44, 45, 60, 68, 69, 70, 71, 72, 75, 76,
+                              77, 80, 82, 83, 84, 85, 86, 88, 89, *range(96, 106), *range(126, 136), 139})
 
 
 @dataclass
@@ -38,6 +55,12 @@ class Incident:
     follows: int | None = None           # the XID this one is a companion of
     count: int = 0
     sources: set[str] = field(default_factory=set)
+    opened_without_pid: bool = False     # its first line named no process (driver 580's XID 13)
+    nvml_matched: bool = False           # an NVML event was matched to it
+    applications: int | None = None      # set by the check: distinct applications faulting on its GPU
+
+    def __post_init__(self) -> None:
+        self.opened_without_pid = self.first.pid is None
 
     def fields(self) -> dict[str, Any]:
         e = self.first
@@ -48,8 +71,25 @@ class Incident:
             "incidents": 1 if self.new and self.follows is None else 0, "follows": self.follows,
             "source": "both" if len(self.sources) > 1 else next(iter(self.sources)),
             "boot": self.boot, "line": self.line, "origin": e.origin,
-            "gpu_instance": e.gpu_instance, **nvlink_decode(e),
+            "gpu_instance": e.gpu_instance, "applications": self.applications, "detail": e.detail,
+            **nvlink_decode(e),
         }
+
+    def same_fault(self, event: KernelEvent) -> bool:
+        """Whether `event` (same code, GPU and boot, close in time) is another line of this fault."""
+        if event.kind != "xid" or event.code not in APPLICATION_XIDS:
+            return True
+        if event.pid is not None:
+            return self.first.pid in (None, event.pid)
+        return not (self.opened_without_pid and self.first.pid is not None)   # that fault was complete
+
+    def take_process(self, event: KernelEvent) -> None:
+        """The pid and name from whichever line of the fault has them."""
+        if self.first.pid is None and event.pid is not None:
+            self.first = replace(self.first, pid=event.pid,
+                                 process_name=self.first.process_name or event.process_name)
+        elif not self.first.process_name and event.process_name and event.pid in (None, self.first.pid):
+            self.first = replace(self.first, process_name=event.process_name)
 
 
 # NVLink5 unit per XID 144-150, as NVIDIA's Xid catalogue names them (NVLINK_SAW_ERROR, ...). The first
@@ -80,49 +120,146 @@ def _close(a: float | None, b: float | None, gap_s: float) -> bool:
 
 
 @dataclass
+class _Seen:
+    """An incident one source reported, for matching the other source's report of the same fault."""
+
+    taken: float                         # wall clock when the check read it
+    incident: Incident
+    run: int
+
+
+@dataclass
 class IncidentTracker:
     gap_s: float = 60.0
+    match_window_s: float = 60.0
     run: int = 0
     groups: list[Incident] = field(default_factory=list)
     overflow: int = 0
     _by_key: dict[tuple, _Last] = field(default_factory=dict)
     _by_gpu: dict[str, _Last] = field(default_factory=dict)
+    _last_sxid: _Last | None = None
+    _kernel_seen: deque[_Seen] = field(default_factory=lambda: deque(maxlen=_REMEMBERED))
+    _nvml_pending: deque[_Seen] = field(default_factory=lambda: deque(maxlen=_REMEMBERED))
 
     def start_run(self) -> None:
         self.run += 1
         self.groups = []
         self.overflow = 0
 
+    def forget_sources(self) -> None:
+        """A new boot: nothing seen by one source before it is a duplicate of what the other sees now."""
+        self._kernel_seen.clear()
+        self._nvml_pending.clear()
+
     def add(self, event: KernelEvent, boot: str, when: float | None, line: int | None, file: str | None,
-            source: str) -> Incident | None:
-        key = (event.kind, event.code, event.pci_bus_id, event.fatal, event.recovery_action, boot)
-        last = self._by_key.get(key)
-        if last is not None and last.run == self.run and _close(last.time, when, self.gap_s):
+            source: str = "kernel", taken: float | None = None) -> Incident | None:
+        """A kernel-log line: it continues an incident, folds into one, or opens one."""
+        if event.kind == "sxid" and event.detail:
+            folded = self._fold_detail(event, boot, when)
+            if folded is not None:
+                return folded
+        key = (event.kind, event.code, event.pci_bus_id, event.fatal, event.recovery_action, boot, event.detail)
+        last = self._by_key.get(key) if not event.detail else None     # an orphan detail line stands alone
+        same = last is not None and _close(last.time, when, self.gap_s) and last.incident.same_fault(event)
+        if same and last is not None and last.run == self.run:
             incident = last.incident                       # the same incident goes on
+            incident.take_process(event)
         else:
-            if len(self.groups) >= MAX_GROUPS:
-                self.overflow += 1
-                return None
-            incident = Incident(event, boot, line, file, when, when, follows=self._follows(event, boot, when))
-            if last is not None and _close(last.time, when, self.gap_s):
-                incident.new = False                       # it went on from an earlier run
-            self.groups.append(incident)
+            incident = self._from_nvml(event, taken) if not same else None
+            if incident is not None:                       # NVML reported this fault first, this run
+                incident.first, incident.line, incident.file = event, line, file
+                incident.first_time = incident.last_time = when
+                incident.opened_without_pid = event.pid is None
+                incident.count = 0
+                incident.follows = self._follows(event, boot, when)
+            else:
+                if len(self.groups) >= MAX_GROUPS:
+                    self.overflow += 1
+                    return None
+                first = event
+                if same and last is not None:              # it went on from an earlier run
+                    first = replace(last.incident.first, pid=last.incident.first.pid or event.pid,
+                                    process_name=last.incident.first.process_name or event.process_name)
+                incident = Incident(first, boot, line, file, when, when, follows=self._follows(event, boot, when))
+                incident.new = not same
+                if same and last is not None:
+                    incident.opened_without_pid = last.incident.opened_without_pid
+                    incident.nvml_matched = last.incident.nvml_matched
+                if not same and taken is not None and self._nvml_earlier(event, taken):
+                    incident.nvml_matched = True           # NVML's event of an earlier run reported it:
+                    incident.sources.add("nvml")           # followed (its later lines join it), not reported
+                else:
+                    self.groups.append(incident)
+            if taken is not None:
+                self._kernel_seen.append(_Seen(taken, incident, self.run))
         incident.count += 1
         incident.sources.add(source)
         if when is not None:
             incident.last_time = when if incident.last_time is None else max(incident.last_time, when)
-        self._remember(self._by_key, key, _Last(when, incident, self.run))
+        remembered = _Last(when, incident, self.run)
+        self._remember(self._by_key, key, remembered)
         if event.kind == "xid" and event.pci_bus_id:
-            self._remember(self._by_gpu, event.pci_bus_id, _Last(when, incident, self.run))
+            self._remember(self._by_gpu, event.pci_bus_id, remembered)
+        if event.kind == "sxid":
+            self._last_sxid = remembered
         return incident
 
-    def find(self, kind: str, code: int, bus: str) -> Incident | None:
-        """This run's latest incident of (kind, code, bus), from any source."""
-        for incident in reversed(self.groups):
-            e = incident.first
-            if (e.kind, e.code, e.pci_bus_id) == (kind, code, bus):
-                return incident
+    def add_nvml(self, event: KernelEvent, boot: str, taken: float) -> Incident | None:
+        """An XID from NVML's event API: one kernel incident of that code and GPU not yet matched takes
+        it; else it is an incident of its own, until a kernel line of the same fault arrives."""
+        for seen in reversed(self._kernel_seen):
+            if taken - seen.taken > self.match_window_s:
+                break
+            e = seen.incident.first
+            if not seen.incident.nvml_matched and (e.kind, e.code, e.pci_bus_id) == ("xid", event.code,
+                                                                                     event.pci_bus_id):
+                seen.incident.nvml_matched = True
+                seen.incident.sources.add("nvml")
+                return None
+        if len(self.groups) >= MAX_GROUPS:
+            self.overflow += 1
+            return None
+        incident = Incident(event, boot, None, None, taken, taken, count=1, sources={"nvml"})
+        incident.nvml_matched = True
+        self.groups.append(incident)
+        self._nvml_pending.append(_Seen(taken, incident, self.run))
+        return incident
+
+    def _from_nvml(self, event: KernelEvent, taken: float | None) -> Incident | None:
+        """This run's NVML-only incident of the same code and GPU, which this kernel line now explains."""
+        for i, seen in enumerate(self._nvml_pending):
+            e = seen.incident.first
+            if seen.run == self.run and (e.kind, e.code, e.pci_bus_id) == (event.kind, event.code,
+                                                                            event.pci_bus_id) \
+                    and (taken is None or abs(taken - seen.taken) <= self.match_window_s):
+                del self._nvml_pending[i]
+                return seen.incident
         return None
+
+    def _nvml_earlier(self, event: KernelEvent, taken: float) -> bool:
+        """An earlier run's NVML-only incident of this code and GPU: reported already, so this kernel
+        line continues it (it says more: the message and the process) rather than counting again."""
+        for i, seen in enumerate(self._nvml_pending):
+            e = seen.incident.first
+            if (e.kind, e.code, e.pci_bus_id) == (event.kind, event.code, event.pci_bus_id) \
+                    and abs(taken - seen.taken) <= self.match_window_s:
+                del self._nvml_pending[i]
+                return True
+        return False
+
+    def _fold_detail(self, event: KernelEvent, boot: str, when: float | None) -> Incident | None:
+        """An SXid detail line whose headline (same switch, same code) was the SXid line just before it."""
+        last = self._last_sxid
+        if last is None or last.run != self.run or not _close(last.time, when, self.gap_s):
+            return None
+        head = last.incident.first
+        if (head.code, head.pci_bus_id, last.incident.boot) != (event.code, event.pci_bus_id, boot):
+            return None
+        last.incident.count += 1
+        if when is not None:
+            last.incident.last_time = when if last.incident.last_time is None else max(last.incident.last_time, when)
+        self._last_sxid = _Last(when, last.incident, self.run)
+        return last.incident
 
     def _follows(self, event: KernelEvent, boot: str, when: float | None) -> int | None:
         if event.kind != "xid":

@@ -25,7 +25,7 @@ import re
 from dataclasses import dataclass
 from functools import lru_cache
 
-from detector.checks.xid.wrappers import KERNEL, UNVERIFIED, peel
+from detector.checks.xid.wrappers import KERNEL, UNVERIFIED, USER_SPACE, peel
 from detector.core.pciaddr import normalize_bus_id
 
 _BUS_TEXT = r"[0-9a-fA-F]{4,8}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2}(?:\.[0-7])?|[0-9a-fA-F]{2}:[0-9a-fA-F]{2}(?:\.[0-7])?"
@@ -72,9 +72,11 @@ class KernelEvent:
     recovery_action: str = ""    # XID 154: the action the driver now asks for
     time: float | None = None    # epoch seconds when the wrapper says; else None
     monotonic_s: float | None = None   # seconds since boot, when the wrapper says
-    origin: str = KERNEL         # KERNEL, or UNVERIFIED when the wrapper does not prove it
+    origin: str = KERNEL         # KERNEL; UNVERIFIED when the wrapper cannot tell; USER_SPACE when it shows
+                                 # a facility that is not the kernel's (never an XID: the caller drops it)
     gpu_instance: int | None = None    # MIG: the GPU instance the driver attributed it to
     boot_id: str | None = None   # journalctl -o json's _BOOT_ID
+    detail: bool = False         # an SXid `Severity ...`/`Data {...}` line: detail of the headline before it
 
     @property
     def caused_by(self) -> int | None:
@@ -122,7 +124,7 @@ _INTERESTING = ("NVRM: ", "SXid (", "Linux version ", "Command line: ", "-- Boot
 
 def parse_line(line: str, year: int | None = None, kernel: bool = False) -> Parsed | None:
     """An XID/SXid event, a bus-id-to-UUID mapping, a boot banner, or None for every other line.
-    Events carry the wrapper's times and origin (`KERNEL` or `UNVERIFIED`); `kernel`: the source
+    Events carry the wrapper's times and origin (`KERNEL`, `UNVERIFIED`, `USER_SPACE`); `kernel`: the source
     already proved the kernel wrote it (a kmsg or journald record with the kernel's facility)."""
     if not ("NVRM: " in line or "SXid (" in line or "Linux version " in line or "Command line: " in line
             or "-- " in line or "MESSAGE" in line):
@@ -133,8 +135,10 @@ def parse_line(line: str, year: int | None = None, kernel: bool = False) -> Pars
     w = peel(line, year)
     msg = w.message.lstrip()              # dmesg indents the continuation of a split message
     if msg.startswith(("Linux version ", "Command line: ")):
-        # A bare line may be the kernel's (journalctl -o cat); one another program tagged is not.
-        return BootBanner(w.boot_id, w.time) if w.origin == KERNEL or not w.wrapped else None
+        # A bare line may be the kernel's (journalctl -o cat), and so may dmesg's; one another program
+        # tagged, or one a user-space facility wrote, is not.
+        banner = (w.origin == KERNEL or not w.wrapped or w.ring_buffer) and w.origin != USER_SPACE
+        return BootBanner(w.boot_id, w.time) if banner else None
     if not msg.startswith(("NVRM: ", "nvidia-nvswitch")):
         return None
     event = _parse_message_cached(msg)
@@ -146,7 +150,7 @@ def parse_line(line: str, year: int | None = None, kernel: bool = False) -> Pars
     # Direct construction: dataclasses.replace costs a flood of 800,000 lines seconds.
     return KernelEvent(event.kind, event.code, event.pci_bus_id, event.message, event.pid, event.process_name,
                        event.fatal, event.recovery_action, w.time, w.monotonic_s, origin, event.gpu_instance,
-                       w.boot_id)
+                       w.boot_id, event.detail)
 
 
 @lru_cache(maxsize=1024)
@@ -172,9 +176,9 @@ def parse_message(msg: str) -> KernelEvent | UuidMapping | SplitStart | None:
         return None
     if "SXid" in msg and (m := _SXID.match(msg)):
         rest = m["rest"].strip()
-        if _SXID_DETAIL.match(rest):
-            return None           # a detail line of the SXid reported just before it, not a new event
         bus, _ = _where(m["where"])
+        if _SXID_DETAIL.match(rest):      # the incidents fold it into its headline, when it follows one
+            return KernelEvent("sxid", int(m["code"]), bus, rest, detail=True)
         return KernelEvent("sxid", int(m["code"]), bus, rest, fatal=_fatal(rest))
     return None
 
@@ -219,5 +223,5 @@ def _fatal(text: str) -> bool | None:
     return None if m is None else m.group(1).lower() == "fatal"
 
 
-__all__ = ["KERNEL", "UNVERIFIED", "BootBanner", "KernelEvent", "Parsed", "SplitStart", "UuidMapping", "parse_line",
+__all__ = ["KERNEL", "UNVERIFIED", "USER_SPACE", "BootBanner", "KernelEvent", "Parsed", "SplitStart", "UuidMapping", "parse_line",
            "parse_message", "RECOVERY_ACTIONS"]

@@ -16,9 +16,12 @@ Kernel lines reach a saved log through many tools, each with its own prefix:
     Talos (talosctl dmesg)   172.20.0.2: kern:    info: [2021-11-04T17:01:20.123456789Z]: MSG
 
 `origin` is "kernel" when the wrapper proves the kernel wrote the line (a kernel facility, a syslog tag
-`kernel`, the kernel's own ring buffer as dmesg prints it), else "unverified" (a bare line, another
-syslog tag, a user-space facility). Whether an unverified line counts is the caller's choice: a saved
-log counts it and marks it; the live path does not.
+`kernel`, journald's `_TRANSPORT=kernel`); "user space" when the wrapper shows a facility and it is not
+the kernel's (`dmesg -x` `user`, a kmsg record or `<PRI>` with another facility, a journal entry of
+another transport): a program wrote it to /dev/kmsg or syslog, so it is never an XID; else "unverified":
+the format cannot tell (a bare line, another syslog tag, and plain `dmesg`/`dmesg -T`, which print lines
+that user space wrote to /dev/kmsg exactly like the kernel's). Whether an unverified line counts is the
+caller's choice: a saved log reports it for a human and acts on none; the live path drops it.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from functools import lru_cache
 
-KERNEL, UNVERIFIED = "kernel", "unverified"
+KERNEL, UNVERIFIED, USER_SPACE = "kernel", "unverified", "user space"
 
 _KMSG = re.compile(r"(?P<pri>\d{1,4}),(?P<seq>\d+),(?P<usec>\d+),[^;]*;")
 _PRI = re.compile(r"<(?P<pri>\d{1,3})>")
@@ -60,11 +63,12 @@ class Wrapped:
     """A kernel message with what its wrapper said about it."""
 
     message: str
-    origin: str                       # KERNEL or UNVERIFIED
+    origin: str                       # KERNEL, UNVERIFIED or USER_SPACE
     time: float | None = None         # epoch seconds
     monotonic_s: float | None = None  # seconds since boot
     boot_id: str | None = None        # journalctl -o json's _BOOT_ID
     wrapped: bool = False             # a known wrapper was recognised (not a bare line)
+    ring_buffer: bool = False         # dmesg's own stamp: the kernel's ring buffer, whoever wrote the line
 
 
 def peel(line: str, year: int | None = None) -> Wrapped:
@@ -74,7 +78,8 @@ def peel(line: str, year: int | None = None) -> Wrapped:
         return _peel_json(line) or Wrapped(line, UNVERIFIED)
     if m := _KMSG.match(line):
         kernel = int(m["pri"]) >> 3 == 0
-        return Wrapped(line[m.end():], KERNEL if kernel else UNVERIFIED, None, int(m["usec"]) / 1e6, wrapped=True)
+        return Wrapped(line[m.end():], KERNEL if kernel else USER_SPACE, None, int(m["usec"]) / 1e6, wrapped=True,
+                       ring_buffer=True)
     pos, facility_kernel, mono = 0, None, None
     if m := _PRI.match(line):
         facility_kernel, pos = int(m["pri"]) >> 3 == 0, m.end()
@@ -103,20 +108,21 @@ def peel(line: str, year: int | None = None) -> Wrapped:
         else:
             pos, tagged = t.end(), True
             ring_buffer = False
-            facility_kernel = t["tag"] == "kernel" if facility_kernel is None else facility_kernel
+            if facility_kernel is None and t["tag"] == "kernel":
+                facility_kernel = True
             if i := _INNER_MONO.match(line, pos):
                 pos, mono = i.end(), float(i["mono"])
     elif tag_allowed and t is not None and t["host"] is not None and t["tag"].startswith(_NOT_TAGS[:2]):
         pos += len(t["host"]) + 1           # `Oct 6 17:59:27 host NVRM: ...`: a host, no tag
         tagged = True
-    if facility_kernel is None:
-        facility_kernel = ring_buffer
-    return _finish(line, pos, facility_kernel, None, wall, mono, stamped or tagged)
+    return _finish(line, pos, facility_kernel, None, wall, mono, stamped or tagged, ring_buffer)
 
 
-def _finish(line: str, pos: int, kernel: bool, boot_id: str | None, wall: float | None, mono: float | None,
-            wrapped: bool) -> Wrapped:
-    return Wrapped(line[pos:], KERNEL if kernel else UNVERIFIED, wall, mono, boot_id, wrapped)
+def _finish(line: str, pos: int, kernel: bool | None, boot_id: str | None, wall: float | None, mono: float | None,
+            wrapped: bool, ring_buffer: bool = False) -> Wrapped:
+    """`kernel`: True (proven), False (a facility shown, not the kernel's) or None (the format cannot tell)."""
+    origin = UNVERIFIED if kernel is None else KERNEL if kernel else USER_SPACE
+    return Wrapped(line[pos:], origin, wall, mono, boot_id, wrapped, ring_buffer)
 
 
 def _peel_json(line: str) -> Wrapped | None:
@@ -135,11 +141,12 @@ def _peel_json(line: str) -> Wrapped | None:
             return None
     if not isinstance(message, str):
         return None
-    kernel = entry.get("_TRANSPORT") == "kernel"
+    transport = entry.get("_TRANSPORT")           # trusted: set by journald, never by the sender
+    origin = UNVERIFIED if not isinstance(transport, str) else KERNEL if transport == "kernel" else USER_SPACE
     wall = _micros(entry.get("__REALTIME_TIMESTAMP"))
     mono = _micros(entry.get("__MONOTONIC_TIMESTAMP"))
     boot = entry.get("_BOOT_ID") if isinstance(entry.get("_BOOT_ID"), str) else None
-    return Wrapped(message.rstrip("\n"), KERNEL if kernel else UNVERIFIED, wall, mono, boot, True)
+    return Wrapped(message.rstrip("\n"), origin, wall, mono, boot, True)
 
 
 def _micros(value: object) -> float | None:

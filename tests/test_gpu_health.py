@@ -35,16 +35,24 @@ def test_the_worst_severity_sets_the_state_and_the_most_demanding_action_leads()
     ]))
     assert (health["0000:18:00.0"].state, health["0000:18:00.0"].action) == (HEALTHY, "NONE")
     g1 = health["0000:2a:00.0"]
-    assert (g1.state, g1.action, g1.reasons) == (DEGRADED, "CHECK_PCIE", ("PcieLinkWidthDegraded", "Xid13"))
+    assert (g1.state, g1.action, g1.reasons) == (DEGRADED, "CHECK_PCIE", ("PcieLinkWidthDegraded",))
     assert g1.gpu == GPU1                                    # the inventory's full identity, not the problem's
+
+
+def test_an_application_fault_leaves_the_gpu_healthy():
+    """XID 13/31/43 from a user's kernel ask the application to restart: they are about the program, and a
+    GPU is never degraded (tainted, counted towards a reboot) because one program faulted on it."""
+    health = by_bus(gpu_health([GPU0, GPU1], [problem("Xid13", Severity.WARNING, "RESTART_APP", GPU1),
+                                              problem("Xid31", Severity.CRITICAL, "RESTART_APP", GPU1)]))
+    assert (health["0000:2a:00.0"].state, health["0000:2a:00.0"].action) == (HEALTHY, "NONE")
 
 
 def test_a_critical_problem_fails_the_gpu_and_a_gpu_nvml_lost_keeps_a_row():
     lost = GpuRef(None, "GPU-c", "0000:ab:00.0")               # found on the PCI bus, not in NVML
     health = gpu_health([GPU0], [problem("GpuNotVisibleToNvml", Severity.CRITICAL, "RESTART_BM", lost),
-                                 problem("Xid31", Severity.WARNING, "RESTART_APP", GpuRef(0))])
+                                 problem("Xid74", Severity.WARNING, "CHECK_NVLINK", GpuRef(0))])
     assert [(h.gpu.pci_bus_id, h.state, h.action) for h in health] == [
-        ("0000:18:00.0", DEGRADED, "RESTART_APP"), ("0000:ab:00.0", FAILED, "RESTART_BM")]
+        ("0000:18:00.0", DEGRADED, "CHECK_NVLINK"), ("0000:ab:00.0", FAILED, "RESTART_BM")]
 
 
 def test_node_wide_and_unnamed_problems_are_not_spread_over_the_gpus():

@@ -2,8 +2,10 @@
 
 A GPU is `failed` while a critical problem names it, `degraded` while a warning does, else `healthy`;
 its `action` is the most demanding recommended action among those problems (NONE when healthy).
-Informational problems leave a GPU healthy. Problems that name no GPU (the driver is not loaded, NVML
-hangs) are the node's, shown by its conditions, and are not spread over its GPUs.
+Informational problems leave a GPU healthy, and so do problems whose recommended action is the
+application's (RESTART_APP: an XID 13, 31 or 43 from a user's kernel): a GPU is never degraded, tainted or
+counted towards remediation because one program faulted on it. Problems that name no GPU (the driver is
+not loaded, NVML hangs) are the node's, shown by its conditions, and are not spread over its GPUs.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from detector.core.types import GpuRef, Problem, Severity, action_strength
 HEALTHY, DEGRADED, FAILED = "healthy", "degraded", "failed"
 STATE_VALUE = {HEALTHY: 0, DEGRADED: 1, FAILED: 2}
 _BY_SEVERITY = {Severity.CRITICAL: FAILED, Severity.WARNING: DEGRADED}
+APPLICATION_ACTIONS = frozenset({"RESTART_APP"})     # about the program that ran, not the GPU it ran on
 
 
 @dataclass(frozen=True)
@@ -69,7 +72,7 @@ def fuller(known: GpuRef, other: GpuRef) -> GpuRef:
 
 
 def _judge(ref: GpuRef, problems: list[Problem]) -> GpuHealth:
-    serious = sorted((p for p in problems if p.severity in _BY_SEVERITY),
+    serious = sorted((p for p in problems if p.severity in _BY_SEVERITY and p.action not in APPLICATION_ACTIONS),
                      key=lambda p: (-action_strength(p.action), -p.severity.rank, p.reason))
     if not serious:
         return GpuHealth(ref, HEALTHY, "NONE")

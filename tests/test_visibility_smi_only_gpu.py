@@ -54,3 +54,13 @@ def test_a_known_gpu_named_by_smi_is_not_listed_as_unknown(tmp_path):
         host.close()
     assert run.result["smi_only_bus_ids"] == []
     assert len([o for o in run.observations if o.gpu]) == 8
+
+
+def test_the_unknown_gpu_is_reported_as_a_problem_naming_its_bus_id(tmp_path, registry):
+    from conftest import diagnose_host
+    doc = yaml.safe_load(REAL.read_text())
+    host = fake_host(node_for("h100-sxm-8"), smi_command=smi_printing(tmp_path, doc["output"],
+                                                                      doc["documented_exit_code"]))
+    out = diagnose_host(host, registry, checks=["visibility"])
+    problem = out.by_rule()["gpu-unknown-failing-in-nvidia-smi"]
+    assert [g.pci_bus_id for g in problem.gpus] == ["0000:ba:80.0"] and "Unknown Error" in problem.message

@@ -171,3 +171,26 @@ def test_live_two_processes_faulting_close_together_are_two_incidents(registry):
                [(571, "both", 1), (599, "both", 1)]
     finally:
         host.close()
+
+
+def test_an_events_count_is_faults_not_the_lines_a_fault_printed(registry):
+    """Three XID 13 faults print nine lines: the events count three faults (one each), not nine."""
+    out = diagnose_host(fake_host(node_for("h100-sxm-8")), registry, checks=["xid"],
+                        settings={"xid": {"kernel_log_file": str(HERE / "dmesg-x-2.txt")}})
+    by_rule = {p.rule: p for p in out.problems}
+    assert by_rule["xid-13"].occurrences == 3 and by_rule["xid-31"].occurrences == 1
+    assert [o.fields["faults"] for o in out.sweep.runs[0].observations if o.fields["code"] == 13] == [1, 1, 1]
+
+
+@pytest.mark.parametrize("name", ["dmesg.txt", "dmesg-x.txt"])
+def test_the_gpu_check_machines_four_faults_are_four_incidents(name, registry):
+    """`make gpu-check` on a real H100 VM (tests/fixtures/real_logs/h100-vm-580-gpucheck): XID 31, 43 and
+    two XID 13 from four processes, the last two 0.9 s apart; four events, each naming its process."""
+    log = HERE.parent / "h100-vm-580-gpucheck" / name
+    out = diagnose_host(fake_host(node_for("h100-sxm-8")), registry, checks=["xid"],
+                        settings={"xid": {"kernel_log_file": str(log)}})
+    obs = out.sweep.runs[0].observations
+    assert [(o.fields["code"], o.fields["pid"], o.fields["process_name"]) for o in obs] == [
+        (31, 643, "python3"), (43, 673, "python3"), (13, 696, "python3"), (13, 719, "python3")]
+    assert all(p.report == "event" for p in out.problems)           # about applications: no condition
+    assert {p.rule: p.occurrences for p in out.problems}["xid-13"] == 2

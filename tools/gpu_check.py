@@ -445,8 +445,8 @@ def _taint_text(rule: dict) -> str:
 
 
 def _events(emulator: Any) -> list[dict[str, Any]]:
-    return [{"reason": e.get("reason"), "type": e.get("type"), "count": int(e.get("count") or 1),
-             "message": e.get("message")} for e in emulator.events()
+    return [{"name": e.get("metadata", {}).get("name"), "reason": e.get("reason"), "type": e.get("type"),
+             "count": int(e.get("count") or 1), "message": e.get("message")} for e in emulator.events()
             if e.get("involvedObject", {}).get("name") == NODE]
 
 
@@ -493,7 +493,8 @@ def _run_fault(out: Path, fault: Fault, env: dict[str, str], timeout_s: float) -
 
 
 def _event_counts(emulator: Any) -> dict[str, int]:
-    return {e["reason"]: e["count"] for e in _events(emulator)}
+    """Each Event by its name: two faults of one XID from two processes are two Events of one reason."""
+    return {e["name"] or e["reason"]: e["count"] for e in _events(emulator)}
 
 
 def _await_event(emulator: Any, before: dict[str, int], run: dict[str, Any], timeout_s: float,
@@ -504,7 +505,7 @@ def _await_event(emulator: Any, before: dict[str, int], run: dict[str, Any], tim
     deadline = time.monotonic() + timeout_s
     while True:
         changed = [e for e in _events(emulator)
-                   if e["reason"].startswith("Xid") and e["count"] > before.get(e["reason"], 0)]
+                   if e["reason"].startswith("Xid") and e["count"] > before.get(e["name"] or e["reason"], 0)]
         if changed:
             seen = time.time()
             changed.sort(key=lambda e: (not e["reason"].startswith(f"Xid{xid}"),

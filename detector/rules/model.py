@@ -94,7 +94,8 @@ class Rule:
 
 
 def _count(obs: Observation) -> int:
-    count = obs.fields.get("count")
+    """How many times it happened: its `faults` where the check tells faults from lines, else its `count`."""
+    count = obs.fields.get("faults", obs.fields.get("count"))
     return count if isinstance(count, int) and not isinstance(count, bool) and count > 0 else 1
 
 

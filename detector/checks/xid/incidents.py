@@ -68,6 +68,7 @@ class Incident:
             "kind": e.kind, "code": e.code, "pci_bus_id": e.pci_bus_id, "fatal": e.fatal,
             "recovery_action": e.recovery_action, "message": e.message, "pid": e.pid,
             "process_name": e.process_name, "count": self.count,
+            "faults": 1 if e.kind == "xid" and e.code in APPLICATION_XIDS else self.count,
             "incidents": 1 if self.new and self.follows is None else 0, "follows": self.follows,
             "source": "both" if len(self.sources) > 1 else next(iter(self.sources)),
             "boot": self.boot, "line": self.line, "origin": e.origin,

@@ -118,6 +118,25 @@ def test_pcie_width_is_judged_only_while_busy(registry):
     assert diagnose_host(fake_host(node), registry, checks=["pcie"], settings=settings).problems == []
 
 
+def test_a_gpu_whose_utilization_nvml_cannot_give_is_not_judged(registry):
+    """A real A100 in MIG mode prints utilization N/A: busy is unknown (null), and null never matches."""
+    from pathlib import Path
+    from detector.cli.main import builtin_rules_dir
+    from detector.rules.engine import RuleEngine
+    from detector.rules.loader import load_rules
+    from fake_nvml.replay.host import replay_host
+    mig = Path(__file__).parent / "fixtures" / "real_machines" / "x-telegraf-a100-sxm4-80gb-mig-535"
+    out = diagnose_host(replay_host(mig), registry, checks=["pcie"])
+    fields = out.sweep.runs[0].observations[0].fields
+    assert (fields["utilization_pct"], fields["busy"]) == (None, None) and out.problems == []
+    engine = RuleEngine(load_rules([builtin_rules_dir()], registry.fields_by_check()))
+    narrow = {**fields, "current_width": 8, "current_gen": 1}
+    assert engine.evaluate([Observation("pcie", narrow, out.sweep.runs[0].observations[0].gpu)]) == []
+    assert {p.rule for p in engine.evaluate([Observation("pcie", {**narrow, "busy": True, "utilization_pct": 90},
+                                                         out.sweep.runs[0].observations[0].gpu)])} \
+        == {"pcie-width-degraded", "pcie-gen-degraded"}
+
+
 def test_a_pcie_fault_is_seen_under_load_unless_told_idle(registry):
     node = node_for("h100-sxm-8")
     node.inject(Fault("pcie", 4, {"width": 4}))

@@ -108,10 +108,20 @@ def _xid(f: Fault, state: "NodeState", gpu: "FakeGpu | None", node: "FakeNode") 
         gpu.remap_failure = True
 
 
+# A degraded link is a fault where it shows: under load. At idle NVIDIA lets the width and generation drop
+# by design ("may be reduced when the GPU is not in use"), so the detector judges a link only while the GPU
+# works, and a link fault puts the GPU to work unless told otherwise (utilization 0: narrow at idle, no fault).
+_PCIE_LOAD_PCT = 90
+
+
 def _pcie(f: Fault, state: "NodeState", gpu: "FakeGpu | None", node: "FakeNode") -> None:
     assert gpu is not None
     gpu.pcie_width = f.params.get("width", gpu.pcie_width)
     gpu.pcie_gen = f.params.get("gen", gpu.pcie_gen)
+    if "utilization" in f.params:
+        gpu.utilization_pct = f.params["utilization"]
+    elif gpu.pcie_width < gpu.pcie_max_width or gpu.pcie_gen < gpu.pcie_max_gen:
+        gpu.utilization_pct = max(gpu.utilization_pct, _PCIE_LOAD_PCT)
 
 
 def _set(attr: str, value_param: str | None, value: Any = None):
@@ -244,8 +254,9 @@ def _ib(name: str) -> Callable[..., None]:
 FAULT_KINDS: dict[str, FaultKind] = {k.name: k for k in (
     FaultKind("xid", True, {"code": int, "message": str, "pid": int, "via": str}, ("code",), _xid,
               "an XID: kernel log line and NVML event (via: both, kernel or nvml); 79 also makes the GPU lost"),
-    FaultKind("pcie", True, {"width": int, "gen": int}, (), _pcie,
-              "the PCIe link retrains at this width and/or generation"),
+    FaultKind("pcie", True, {"width": int, "gen": int, "utilization": int}, (), _pcie,
+              "the PCIe link retrains at this width and/or generation, seen under load: the GPU works at "
+              "utilization % (default 90 for a degraded link; 0: a link narrowed at idle, which is no fault)"),
     FaultKind("nvml_invisible", True, {}, (), _set("nvml_visible", None, False),
               "on the PCI bus, but NVML and nvidia-smi do not enumerate it"),
     FaultKind("lost", True, {}, (), _set("lost", None, True),

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import pynvml
+
 
 @dataclass(frozen=True)
 class GpuModel:
@@ -23,23 +25,24 @@ class GpuModel:
     temp_slowdown_c: int
     temp_shutdown_c: int
     nccl_busbw_gbps: float     # all-reduce bus bandwidth of a healthy node at a large size (NVLink or PCIe)
+    brand: int                 # nvmlDeviceGetBrand: NVML_BRAND_NVIDIA (Ampere on) or _TESLA data-centre, _GEFORCE
 
 
 MODELS: dict[str, GpuModel] = {
     m.key: m
     for m in (
         GpuModel("h100-sxm5-80gb", "NVIDIA H100 80GB HBM3", 0x233010DE, 81559, 5, 16, 18,
-                 True, True, True, 700, 87, 92, 480.0),
+                 True, True, True, 700, 87, 92, 480.0, pynvml.NVML_BRAND_NVIDIA),
         GpuModel("h200-sxm-141gb", "NVIDIA H200", 0x233510DE, 143771, 5, 16, 18,
-                 True, True, True, 700, 87, 92, 470.0),
+                 True, True, True, 700, 87, 92, 470.0, pynvml.NVML_BRAND_NVIDIA),
         GpuModel("a100-sxm4-80gb", "NVIDIA A100-SXM4-80GB", 0x20B210DE, 81920, 4, 16, 12,
-                 True, True, True, 400, 89, 92, 235.0),
+                 True, True, True, 400, 89, 92, 235.0, pynvml.NVML_BRAND_NVIDIA),
         GpuModel("a100-pcie-40gb", "NVIDIA A100-PCIE-40GB", 0x20F110DE, 40960, 4, 16, 0,
-                 True, True, True, 250, 89, 92, 26.5),
+                 True, True, True, 250, 89, 92, 26.5, pynvml.NVML_BRAND_NVIDIA),
         GpuModel("v100-sxm2-32gb", "Tesla V100-SXM2-32GB", 0x1DB510DE, 32510, 3, 16, 6,
-                 True, False, False, 300, 87, 90, 130.0),
+                 True, False, False, 300, 87, 90, 130.0, pynvml.NVML_BRAND_TESLA),
         GpuModel("rtx-4090", "NVIDIA GeForce RTX 4090", 0x268410DE, 24564, 4, 16, 0,
-                 False, False, False, 450, 90, 95, 20.0),
+                 False, False, False, 450, 90, 95, 20.0, pynvml.NVML_BRAND_GEFORCE),
     )
 }
 

@@ -177,6 +177,9 @@ class FakeNvml(MemoryCalls, DriverCalls, ThermalCalls, NvlinkCalls):
     def nvmlDeviceGetName(self, handle: Any) -> str:
         return self._device(handle).model.name
 
+    def nvmlDeviceGetBrand(self, handle: Any) -> int:
+        return self._device(handle).model.brand
+
     def nvmlDeviceGetUUID(self, handle: Any) -> str:
         return self._device(handle).uuid
 

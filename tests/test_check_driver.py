@@ -247,11 +247,21 @@ def test_missing_device_files_name_the_control_file_and_the_gpus(registry):
     assert gpu_fields(out, 6)["device_file_present"] is False and gpu_fields(out, 5)["device_file_present"] is True
 
 
-def test_persistence_off_is_a_warning_per_gpu(registry):
-    out = driver("h100-sxm-8-persistence-off", registry)
+def test_persistence_off_is_a_warning_per_gpu_where_the_site_requires_it(registry):
+    out = driver("h100-sxm-8-persistence-off", registry, settings={"driver": {"require_persistence": True}})
     problem = out.by_rule()["driver-persistence-off"]
     assert (problem.type, problem.severity) == ("GpuPersistenceModeOff", Severity.WARNING)
     assert [g.index for g in problem.gpus] == [1, 5] and "nvidia-persistenced" in problem.message
+    assert out.rules() == {"driver-persistence-off"}
+
+
+def test_persistence_off_is_reported_but_no_problem_by_default(registry):
+    """The driver's default is off and jobs run without it: observed, not judged, unless a site asks."""
+    out = driver("h100-sxm-8-persistence-off", registry)
+    assert out.problems == []
+    assert [gpu_fields(out, i)["persistence_mode"] for i in (0, 1, 5)] == ["enabled", "disabled", "disabled"]
+    assert gpu_fields(out, 1)["persistence_required"] is False
+    assert "persistence off on 2/8 GPU(s)" in out.sweep.runs[0].summary
 
 
 def test_settings_choose_the_modules(registry):
@@ -312,8 +322,10 @@ def test_node_rule_boundaries(engine, fields, expected):
 @pytest.mark.parametrize("fields,expected", [
     ({"recovery_action": "NONE"}, set()), ({"recovery_action": "unknown"}, set()), ({"recovery_action": None}, set()),
     ({"recovery_action": "RESET_GPU"}, {"driver-recovery-action"}),
-    ({"persistence_mode": "disabled"}, {"driver-persistence-off"}),
-    ({"persistence_mode": "enabled"}, set()), ({"persistence_mode": "not_supported"}, set()),
+    ({"persistence_mode": "disabled", "persistence_required": True}, {"driver-persistence-off"}),
+    ({"persistence_mode": "disabled", "persistence_required": False}, set()),
+    ({"persistence_mode": "enabled", "persistence_required": True}, set()),
+    ({"persistence_mode": "not_supported", "persistence_required": True}, set()),
     ({"reset_required": True, "recovery_action": "unknown"}, set()),     # the memory check owns pending work
 ])
 def test_gpu_rule_boundaries(engine, fields, expected):

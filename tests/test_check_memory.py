@@ -3,6 +3,8 @@ scenarios that trip them and on normal ones that must not (corrected errors, GeF
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from conftest import Clock, diagnose_host, diagnose_scenario, node_for
@@ -16,6 +18,8 @@ from detector.rules.engine import RuleEngine
 from detector.rules.loader import load_rules
 from fake_nvml.faults import Fault
 from fake_nvml.host import fake_host
+
+REAL_MACHINES = Path(__file__).parent / "fixtures" / "real_machines"
 
 
 def memory(scenario: str, registry):
@@ -85,6 +89,25 @@ def test_ecc_disabled_is_reported_as_disabled(registry):
     out = memory("h100-sxm-8-ecc-disabled", registry)
     assert out.rules() == {"memory-ecc-disabled"}
     assert fields_of(out, 0)["ecc_mode"] == "disabled" and fields_of(out, 0)["volatile_uncorrected"] is None
+    assert fields_of(out, 0)["ecc_default"] == "on"            # the fake H100 answers NVML_BRAND_NVIDIA
+
+
+@pytest.mark.parametrize("scenario,default", [("h100-sxm-8", "on"), ("v100-sxm-8", "on"), ("rtx-4090-1", "off")])
+def test_ecc_default_follows_the_brand_nvml_reports(scenario, default, registry):
+    assert fields_of(memory(scenario, registry), 0)["ecc_default"] == default
+
+
+@pytest.mark.parametrize("folder,brand", [("x-telegraf-2x-rtx-a5000-590", "NVIDIA RTX"),
+                                          ("t-gpud-rtx4090x8-535-mixed-load", "GeForce")])
+def test_ecc_off_on_a_real_workstation_or_geforce_card_is_its_default_not_a_fault(folder, brand, registry):
+    """Real healthy machines whose cards ship with ECC off: reported disabled, judged as their default."""
+    from fake_nvml.replay.host import replay_host
+    from fake_nvml.replay.load import load_snapshot
+    path = REAL_MACHINES / folder
+    assert load_snapshot(path).gpus[0].brand == brand
+    out = diagnose_host(replay_host(path), registry, checks=["memory"])
+    assert (fields_of(out, 0)["ecc_mode"], fields_of(out, 0)["ecc_default"]) == ("disabled", "off")
+    assert out.problems == []
 
 
 def test_a_rising_uncorrectable_count_is_measured_over_the_window(registry):
@@ -153,6 +176,12 @@ def test_retired_page_thresholds(engine, total, dbe, expected):
 ])
 def test_uncorrectable_thresholds(engine, increase, volatile, expected):
     assert judge(engine, uncorrected_increase=increase, volatile_uncorrected=volatile) == expected
+
+
+@pytest.mark.parametrize("default,expected", [("on", {"memory-ecc-disabled"}), ("off", set()), ("unknown", set())])
+def test_ecc_off_is_a_fault_only_where_it_ships_on(engine, default, expected):
+    assert judge(engine, ecc_mode="disabled", ecc_default=default) == expected
+    assert judge(engine, ecc_mode="enabled", ecc_default=default) == set()
 
 
 def test_remap_failure_outranks_pending(engine):

@@ -88,6 +88,35 @@ def test_a_momentary_hw_slowdown_is_seen_but_not_judged(engine):
 # ---- scenarios that trip ---------------------------------------------------------------------------
 
 
+def test_a_snapshot_host_judges_its_one_sample_as_held_a_live_one_waits(engine):
+    """A replayed capture (host.snapshot) is the whole window: the first sweep is judged; a live node's
+    first sweep of the same power brake is a window still filling."""
+    node = load_scenario("h100-sxm-8-power-brake").build(clock=Clock(0.0))
+    live = fake_host(node, threaded=False)
+    check = ThermalCheck({}, clock=Clock(0.0))
+    assert engine.evaluate(run_sweep(live, [check]).observations) == []
+    held = fake_host(load_scenario("h100-sxm-8-power-brake").build(clock=Clock(0.0)), threaded=False)
+    held.snapshot = True
+    out = run_sweep(held, [ThermalCheck({}, clock=Clock(0.0))])
+    thermal = [o.fields for o in out.observations if o.check == "thermal" and o.gpu is not None]
+    assert len(thermal) == 8 and all(f["window_ready"] and f["samples"] == 1 for f in thermal)
+    assert {p.rule for p in engine.evaluate(out.observations)} >= {"thermal-hw-power-brake"}
+
+
+@pytest.mark.parametrize("folder,rule", [
+    ("t-sonar-rtx2080ti-x4-545-sw-thermal", "thermal-sustained-thermal-slowdown"),
+    ("t-gpud-h100x8-vm-535-power-brake-one-gpu", "thermal-hw-power-brake"),
+])
+def test_a_real_capture_of_a_held_slowdown_is_judged_without_thermal_settings(folder, rule, registry):
+    """Real outputs (tests/fixtures/real_machines): the replay host alone makes them judged, whoever runs it."""
+    from pathlib import Path
+    from conftest import diagnose_host
+    from fake_nvml.replay.host import replay_host
+    path = Path(__file__).parent / "fixtures" / "real_machines" / folder
+    out = diagnose_host(replay_host(path), registry, checks=["thermal"])
+    assert rule in {p.rule for p in out.problems}
+
+
 def test_sustained_hw_slowdown_trips_once_the_window_is_ready_and_only_on_its_gpu(engine):
     watch = Watch("h100-sxm-8-hw-slowdown", engine)
     fired, last = watch.run_for(100)                      # under min_span (120 s): not judged yet

@@ -103,9 +103,51 @@ def test_scheduled_fault_applies_when_its_time_comes(registry):
     assert diagnose_host(fake_host(node), registry).rules() == {"gpu-fell-off-bus", "xid-79"}
 
 
+def test_pcie_width_is_judged_only_while_busy(registry):
+    node = node_for("h100-sxm-8")
+    node.inject(Fault("pcie", 2, {"width": 8, "utilization": 0}))   # idle: the width may be reduced then
+    out = diagnose_host(fake_host(node), registry, checks=["pcie"])
+    assert out.problems == [] and out.sweep.runs[0].observations[2].fields["busy"] is False
+    node.inject(Fault("busy", 2, {"utilization": 20}))   # light use, under busy_utilization (30 %)
+    assert diagnose_host(fake_host(node), registry, checks=["pcie"]).problems == []
+    node.inject(Fault("busy", 2, {"utilization": 30}))
+    out = diagnose_host(fake_host(node), registry, checks=["pcie"])
+    assert out.rules() == {"pcie-width-degraded"} and [g.index for g in out.problems[0].gpus] == [2]
+    assert "x8, expected x16, while busy at 30% utilization" in out.problems[0].message
+    settings = {"pcie": {"busy_utilization": 50}}
+    assert diagnose_host(fake_host(node), registry, checks=["pcie"], settings=settings).problems == []
+
+
+def test_a_gpu_whose_utilization_nvml_cannot_give_is_not_judged(registry):
+    """A real A100 in MIG mode prints utilization N/A: busy is unknown (null), and null never matches."""
+    from pathlib import Path
+    from detector.cli.main import builtin_rules_dir
+    from detector.rules.engine import RuleEngine
+    from detector.rules.loader import load_rules
+    from fake_nvml.replay.host import replay_host
+    mig = Path(__file__).parent / "fixtures" / "real_machines" / "x-telegraf-a100-sxm4-80gb-mig-535"
+    out = diagnose_host(replay_host(mig), registry, checks=["pcie"])
+    fields = out.sweep.runs[0].observations[0].fields
+    assert (fields["utilization_pct"], fields["busy"]) == (None, None) and out.problems == []
+    engine = RuleEngine(load_rules([builtin_rules_dir()], registry.fields_by_check()))
+    narrow = {**fields, "current_width": 8, "current_gen": 1}
+    assert engine.evaluate([Observation("pcie", narrow, out.sweep.runs[0].observations[0].gpu)]) == []
+    assert {p.rule for p in engine.evaluate([Observation("pcie", {**narrow, "busy": True, "utilization_pct": 90},
+                                                         out.sweep.runs[0].observations[0].gpu)])} \
+        == {"pcie-width-degraded", "pcie-gen-degraded"}
+
+
+def test_a_pcie_fault_is_seen_under_load_unless_told_idle(registry):
+    node = node_for("h100-sxm-8")
+    node.inject(Fault("pcie", 4, {"width": 4}))
+    out = diagnose_host(fake_host(node), registry, checks=["pcie"])
+    assert [g.index for g in out.by_rule()["pcie-width-degraded"].gpus] == [4]
+    assert out.sweep.runs[0].observations[4].fields["utilization_pct"] == 90
+
+
 def test_pcie_generation_is_judged_only_while_busy(registry):
     node = node_for("h100-sxm-8")
-    node.inject(Fault("pcie", 0, {"gen": 1}))           # idle: power saving, by design
+    node.inject(Fault("pcie", 0, {"gen": 1, "utilization": 0}))     # idle: power saving, by design
     assert diagnose_host(fake_host(node), registry).problems == []
     node.inject(Fault("busy", 0, {"utilization": 90}))
     out = diagnose_host(fake_host(node), registry)

@@ -142,3 +142,31 @@ def test_missing_path_and_folder_without_a_snapshot(tmp_path):
         load_snapshot(tmp_path / "nope")
     with pytest.raises(SnapshotError, match="neither nvidia-smi-q.xml nor nvidia-smi-q.txt"):
         load_snapshot(tmp_path)
+
+
+@pytest.mark.parametrize("path,printed,brand", [
+    (H100 / "nvidia-smi-q.txt", "NVIDIA", "NVML_BRAND_NVIDIA"),
+    (FIXTURES / "telegraf-tesla-t4.xml", "NVIDIA", "NVML_BRAND_NVIDIA"),
+    (FIXTURES / "telegraf-quadro-p400.xml", "Quadro", "NVML_BRAND_QUADRO"),
+    (FIXTURES / "telegraf-rtx-3080-v12.xml", "GeForce", "NVML_BRAND_GEFORCE"),
+    (FIXTURES / "text-390-k80-head.txt", "Tesla", "NVML_BRAND_TESLA"),
+])
+def test_the_product_brand_is_read_and_answered_as_nvmls_constant(path, printed, brand):
+    import pynvml
+    from fake_nvml.replay.nvml import ReplayHandle, ReplayNvml
+    snapshot = load_snapshot(path)
+    nvml = ReplayNvml(snapshot)
+    assert snapshot.gpus[0].brand == printed
+    assert nvml.nvmlDeviceGetBrand(ReplayHandle(id(nvml), 0)) == getattr(pynvml, brand)
+
+
+def test_a_brand_not_printed_is_notsupported_and_one_not_known_is_nvmls_unknown():
+    import pynvml
+    from fake_nvml.replay.nvml import ReplayHandle, ReplayNvml
+    snapshot = load_snapshot(FIXTURES / "fragment-power-brake-v100-c4130.txt")
+    assert snapshot.gpus[0].brand is None
+    nvml = ReplayNvml(snapshot)
+    with pytest.raises(pynvml.NVMLError_NotSupported):
+        nvml.nvmlDeviceGetBrand(ReplayHandle(id(nvml), 0))
+    renamed = ReplayNvml(dataclasses.replace(snapshot, gpus=(dataclasses.replace(snapshot.gpus[0], brand="Zeta"),)))
+    assert renamed.nvmlDeviceGetBrand(ReplayHandle(id(renamed), 0)) == pynvml.NVML_BRAND_UNKNOWN

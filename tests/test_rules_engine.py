@@ -240,12 +240,17 @@ def test_gpu_without_index_is_kept_but_not_in_indices(tmp_path) -> None:
 
 def test_builtin_rules_end_to_end() -> None:
     rs = load_rules([BUILTIN], CheckRegistry.from_entry_points().fields_by_check())
-    obs = [Observation("pcie", {"current_width": 8, "max_width": 16, "current_gen": 3, "max_gen": 4,
-                                "idle": True, "check": "pcie", "check_status": "ok"}, gpu(0)),
+    obs = [Observation("pcie", {"current_width": 8, "max_width": 16, "current_gen": 4, "max_gen": 4,
+                                "idle": False, "utilization_pct": 90, "busy": True, "check": "pcie",
+                                "check_status": "ok"}, gpu(0)),
            Observation("pcie", {"current_width": 16, "max_width": 16, "current_gen": 3, "max_gen": 4,
-                                "idle": False, "check": "pcie", "check_status": "ok"}, gpu(1))]
+                                "idle": False, "utilization_pct": 90, "busy": True, "check": "pcie",
+                                "check_status": "ok"}, gpu(1)),
+           Observation("pcie", {"current_width": 8, "max_width": 16, "current_gen": 1, "max_gen": 4,
+                                "idle": True, "utilization_pct": 0, "busy": False, "check": "pcie",
+                                "check_status": "ok"}, gpu(2))]
     problems = RuleEngine(rs).evaluate(obs)
-    # width is judged at idle too; generation only while busy. Order is the rule file's.
+    # width and generation are judged only while busy. Order is the rule file's.
     assert [(p.rule, p.gpus) for p in problems] == [("pcie-width-degraded", (gpu(0),)),
                                                     ("pcie-gen-degraded", (gpu(1),))]
     assert "x8, expected x16" in problems[0].message and "Gen3" in problems[1].message

@@ -69,6 +69,7 @@ class DriverCheck(Check):
         "gpus_registered": "node: GPUs the driver registered (/proc/driver/nvidia/gpus)",
         # gpu
         "persistence_mode": "gpu: enabled, disabled or not_supported",
+        "persistence_required": "gpu: the require_persistence setting (persistence off is a problem only then)",
         "recovery_action": "gpu: the action the driver asks for, as a gpu-npd action (NONE, RESET_GPU, RESTART_BM, "
                            "DRAIN_P2P, DRAIN_AND_RESET, INSPECT), or unknown (driver before 565)",
         "recovery_action_nvml": "gpu: NVML's name for it (GPU_RESET, NODE_REBOOT, ...), or unknown",
@@ -89,6 +90,11 @@ class DriverCheck(Check):
         "conflicting_modules": ConfigField(list, ["nouveau"], "kernel modules that must not be loaded"),
         "required_device_files": ConfigField(list, ["nvidiactl", "nvidia-uvm"],
                                              "/dev entries that must exist (besides each GPU's nvidiaN)"),
+        # Persistence is off by the driver's default and jobs run without it (they wait for the GPU to initialise):
+        # a site policy, not a fault, so it is judged only where a site asks for it.
+        "require_persistence": ConfigField(bool, False,
+                                           "report GPUs running without persistence mode (off by the driver's "
+                                           "default; jobs run without it, each waiting for the GPU to initialise)"),
     }
     gauges = {
         "gpu_npd_driver_modules_missing": GaugeSpec("modules_missing_count", "Required NVIDIA kernel modules not "
@@ -111,7 +117,8 @@ class DriverCheck(Check):
                 errors.append(f"GPU {gpu.index}: {nvml_error_name(e)}")
         node = self._node_fields(ctx, info, gpus)
         observations = [Observation(self.name, node)]
-        observations += [Observation(self.name, {**dict.fromkeys(self.fields), **f}, gpu.ref())
+        required = {"persistence_required": bool(self.config["require_persistence"])}
+        observations += [Observation(self.name, {**dict.fromkeys(self.fields), **f, **required}, gpu.ref())
                          for gpu, f in gpus_with_refs(ctx.inventory.gpus, gpus)]
         result = {"node": {k: v for k, v in node.items() if k in NODE_FIELDS}, "gpus": gpus}
         unreadable = list(info.errors) if info is not None else [error] if error else []

@@ -31,6 +31,13 @@ LOCATIONS = {"l1_cache": pynvml.NVML_MEMORY_LOCATION_L1_CACHE, "l2_cache": pynvm
              "texture_memory": pynvml.NVML_MEMORY_LOCATION_TEXTURE_MEMORY,
              "texture_shm": pynvml.NVML_MEMORY_LOCATION_TEXTURE_SHM, "cbu": pynvml.NVML_MEMORY_LOCATION_CBU,
              "sram": pynvml.NVML_MEMORY_LOCATION_SRAM}
+# ECC's factory setting by nvmlDeviceGetBrand: on for data-centre GPUs (Tesla, and "NVIDIA" from Ampere on), off
+# for desktop and workstation ones (GeForce, Titan, Quadro, NVIDIA RTX), whose owners switch it on if they want it.
+# vGPU brands follow the host's physical GPU, which the guest cannot see: unknown, like a brand NVML cannot name.
+_ECC_ON_BRANDS = frozenset({pynvml.NVML_BRAND_TESLA, pynvml.NVML_BRAND_NVIDIA})
+_ECC_OFF_BRANDS = frozenset({pynvml.NVML_BRAND_GEFORCE, pynvml.NVML_BRAND_GEFORCE_RTX, pynvml.NVML_BRAND_TITAN,
+                             pynvml.NVML_BRAND_TITAN_RTX, pynvml.NVML_BRAND_QUADRO, pynvml.NVML_BRAND_QUADRO_RTX,
+                             pynvml.NVML_BRAND_NVIDIA_RTX, pynvml.NVML_BRAND_NVS})
 
 
 class MemoryCheck(Check):
@@ -43,6 +50,9 @@ class MemoryCheck(Check):
     fields = {
         "ecc_mode": "enabled, disabled (an ECC-capable GPU with ECC off) or not_supported (no ECC: GeForce)",
         "ecc_pending_mode": "the ECC mode after the next reboot (enabled/disabled; null without ECC)",
+        "ecc_default": "on (data-centre brand: Tesla, NVIDIA), off (GeForce, Titan, Quadro, NVIDIA RTX: ECC "
+                       "ships off) or unknown (no brand, a vGPU brand): ECC's factory setting, by "
+                       "nvmlDeviceGetBrand",
         "volatile_corrected": "corrected ECC errors since the driver loaded (null when ECC is off)",
         "volatile_uncorrected": "uncorrectable ECC errors since the driver loaded",
         "aggregate_corrected": "corrected ECC errors over the GPU's life (InfoROM)",
@@ -109,6 +119,7 @@ def _read(nvml: Any, handle: Any) -> tuple[dict[str, Any], dict[str, dict[str, i
     """One GPU's memory error state; NotSupported anywhere means 'not applicable here', never 0."""
     fields: dict[str, Any] = dict.fromkeys(MemoryCheck.fields)
     mode = _optional(nvml.nvmlDeviceGetEccMode, handle)
+    fields["ecc_default"] = _ecc_default(_optional(nvml.nvmlDeviceGetBrand, handle))
     by_location: dict[str, dict[str, int]] = {}
     if mode is None:
         fields["ecc_mode"] = "not_supported"
@@ -138,6 +149,10 @@ def _read(nvml: Any, handle: Any) -> tuple[dict[str, Any], dict[str, dict[str, i
         fields.update(remapped_corrected=corrected, remapped_uncorrected=uncorrected,
                       remap_pending=bool(pending), remap_failure=bool(failure))
     return fields, by_location
+
+
+def _ecc_default(brand: int | None) -> str:
+    return "on" if brand in _ECC_ON_BRANDS else "off" if brand in _ECC_OFF_BRANDS else "unknown"
 
 
 def _by_location(nvml: Any, handle: Any) -> dict[str, dict[str, int]]:

@@ -18,7 +18,8 @@ text is in DCGM's dcgm_fields.h):
   GeForce boards have no memory sensor: NotSupported, reported as null.
 
 A window that is not yet full is judged on what it holds only once it holds `min_samples` samples over
-`min_span` seconds (`window_ready`), so a restarted daemon does not page on its first readings. Verdicts
+`min_span` seconds (`window_ready`), so a restarted daemon does not page on its first readings; a replayed
+capture (host.snapshot) is one sample that held for the whole window, judged at once. Verdicts
 are in rules/thermal.yaml.
 """
 
@@ -140,7 +141,7 @@ class ThermalCheck(Check):
             if gpu.handle is None or gpu.error or not gpu.uuid:
                 continue
             try:
-                fields = self._observe(nvml, gpu.handle, gpu.uuid, now)
+                fields = self._observe(nvml, gpu.handle, gpu.uuid, now, held=ctx.host.snapshot)
             except pynvml.NVMLError as e:
                 errors.append(f"GPU {gpu.index}: {e}")
                 continue
@@ -153,7 +154,7 @@ class ThermalCheck(Check):
                 del table[uuid]
         return CheckOutput(observations, {"gpus": gpus}, summary=_summary(gpus), error="; ".join(errors))
 
-    def _observe(self, nvml: Any, handle: Any, uuid: str, now: float) -> dict[str, Any]:
+    def _observe(self, nvml: Any, handle: Any, uuid: str, now: float, held: bool = False) -> dict[str, Any]:
         mask = _reasons(nvml, handle)
         if mask is None:        # not readable here (a snapshot without them, an old GPU): unknown, not calm
             fields: dict[str, Any] = {"reasons": None, "reasons_mask": None, **dict.fromkeys(SAMPLED),
@@ -161,7 +162,7 @@ class ThermalCheck(Check):
                                       "window_ready": False}
         else:
             fields = {"reasons": [n for bit, n in REASON_NAMES.items() if mask & bit], "reasons_mask": mask}
-            fields.update(self._shares(uuid, mask, now))
+            fields.update(self._shares(uuid, mask, now, held))
         fields.update(self._violations(nvml, handle, uuid, now))
         sampled_thermal = fields.pop("_thermal_sampled_pct")
         counted = fields["thermal_violation_pct"]
@@ -170,7 +171,9 @@ class ThermalCheck(Check):
         fields.update(_power(nvml, handle))
         return fields
 
-    def _shares(self, uuid: str, mask: int, now: float) -> dict[str, Any]:
+    def _shares(self, uuid: str, mask: int, now: float, held: bool = False) -> dict[str, Any]:
+        """Shares of the window's samples. `held`: one saved capture (a replay), whose reasons stand for the
+        whole window: judged at once, as a window ready, not as one still filling."""
         samples = self._samples.setdefault(uuid, deque(maxlen=_MAX_SAMPLES))
         samples.append((now, mask))
         while len(samples) > 1 and samples[0][0] < now - self._window:
@@ -178,7 +181,7 @@ class ThermalCheck(Check):
         span = samples[-1][0] - samples[0][0]
         shares = {name: _pct(sum(1 for _, m in samples if m & bits), len(samples)) for name, bits in SAMPLED.items()}
         shares["_thermal_sampled_pct"] = _pct(sum(1 for _, m in samples if m & _THERMAL_ANY), len(samples))
-        ready = len(samples) >= int(self.config["min_samples"]) and span >= float(self.config["min_span"])
+        ready = held or (len(samples) >= int(self.config["min_samples"]) and span >= float(self.config["min_span"]))
         return {**shares, "samples": len(samples), "window_s": round(span, 1), "window_ready": ready}
 
     def _violations(self, nvml: Any, handle: Any, uuid: str, now: float) -> dict[str, Any]:

@@ -44,6 +44,7 @@ def _gpu(g: Node, path: str) -> GpuSnapshot:
     return GpuSnapshot(
         bus_id=_bus_id(bus, path),
         name=g.get("product_name"),
+        brand=g.get("product_brand"),
         uuid=g.get("uuid", "gpu_uuid"),
         serial=g.get("serial", "serial_number"),
         board_part_number=g.get("board_part_number"),

@@ -46,6 +46,17 @@ FABRIC_STATES = {"not supported": pynvml.NVML_GPU_FABRIC_STATE_NOT_SUPPORTED,
                  "not started": pynvml.NVML_GPU_FABRIC_STATE_NOT_STARTED,
                  "in progress": pynvml.NVML_GPU_FABRIC_STATE_IN_PROGRESS,
                  "completed": pynvml.NVML_GPU_FABRIC_STATE_COMPLETED}
+# "Product Brand" as nvidia-smi prints nvmlBrandType_t; a name not listed is a brand this table does not know.
+BRANDS = {"unknown": pynvml.NVML_BRAND_UNKNOWN, "quadro": pynvml.NVML_BRAND_QUADRO, "tesla": pynvml.NVML_BRAND_TESLA,
+          "nvs": pynvml.NVML_BRAND_NVS, "grid": pynvml.NVML_BRAND_GRID, "geforce": pynvml.NVML_BRAND_GEFORCE,
+          "titan": pynvml.NVML_BRAND_TITAN, "nvidia virtual applications": pynvml.NVML_BRAND_NVIDIA_VAPPS,
+          "nvidia virtual pc": pynvml.NVML_BRAND_NVIDIA_VPC,
+          "nvidia virtual compute server": pynvml.NVML_BRAND_NVIDIA_VCS,
+          "nvidia rtx virtual workstation": pynvml.NVML_BRAND_NVIDIA_VWS,
+          "nvidia cloud gaming": pynvml.NVML_BRAND_NVIDIA_CLOUD_GAMING, "quadro rtx": pynvml.NVML_BRAND_QUADRO_RTX,
+          "nvidia rtx": pynvml.NVML_BRAND_NVIDIA_RTX, "nvidia": pynvml.NVML_BRAND_NVIDIA,
+          "geforce rtx": pynvml.NVML_BRAND_GEFORCE_RTX, "titan rtx": pynvml.NVML_BRAND_TITAN_RTX,
+          "nvidia rtx virtual game dev": pynvml.NVML_BRAND_NVIDIA_VGAMEDEV}
 # nvidia-smi prints a fabric status as nvmlErrorString of its nvmlReturn_t ("Success", "Unknown Error").
 _RETURNS = {str(pynvml.NVMLError(code)).lower(): code for code in
             (getattr(pynvml, n) for n in dir(pynvml) if n.startswith("NVML_ERROR_"))
@@ -129,6 +140,12 @@ class ReplayNvml:
 
     def nvmlDeviceGetName(self, handle: Any) -> str:
         return self._gpu(handle).name or ""
+
+    def nvmlDeviceGetBrand(self, handle: Any) -> int:
+        """NotSupported where the capture does not print a brand; NVML_BRAND_UNKNOWN for a name it prints
+        that is not in BRANDS (NVML's own answer for a brand it cannot name)."""
+        brand = _known(self._gpu(handle).brand)
+        return BRANDS.get(" ".join(brand.lower().split()), pynvml.NVML_BRAND_UNKNOWN)
 
     def nvmlDeviceGetUUID(self, handle: Any) -> str:
         gpu = self._gpu(handle)

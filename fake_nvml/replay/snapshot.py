@@ -30,6 +30,7 @@ class Reasons:
 class GpuSnapshot:
     bus_id: str | None = None                  # canonical 0000:bb:dd.f
     name: str | None = None
+    brand: str | None = None                   # as printed: Tesla, NVIDIA, GeForce, NVIDIA RTX, Quadro ...
     uuid: str | None = None
     serial: str | None = None
     board_part_number: str | None = None

@@ -42,7 +42,23 @@ def test_vbios_version_is_a_dotted_string(nvml: Any, handles: list[Any]) -> None
         assert isinstance(vbios, str) and 0 < len(vbios) <= VBIOS_MAX and "." in vbios
 
 
+BRANDS = {getattr(pynvml, n) for n in dir(pynvml) if n.startswith("NVML_BRAND_") and n != "NVML_BRAND_COUNT"}
+
+
+def test_brand_is_one_of_nvmls_brand_constants(nvml: Any, handles: list[Any]) -> None:
+    for h in handles:
+        assert nvml.nvmlDeviceGetBrand(h) in BRANDS          # "for all products": the memory check's ECC default
+
+
 # ---- fake only ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("scenario,brand", [("h100-sxm-8", pynvml.NVML_BRAND_NVIDIA),
+                                            ("v100-sxm-8", pynvml.NVML_BRAND_TESLA),
+                                            ("rtx-4090-1", pynvml.NVML_BRAND_GEFORCE)])
+def test_each_fake_model_answers_its_brand(scenario: str, brand: int) -> None:
+    nvml, _ = started(scenario)
+    assert nvml.nvmlDeviceGetBrand(nvml.nvmlDeviceGetHandleByIndex(0)) == brand
 
 
 def test_geforce_has_no_serial_but_has_vbios_and_part_number() -> None:

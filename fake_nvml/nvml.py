@@ -60,6 +60,20 @@ def _error(code: int) -> pynvml.NVMLError:
     return pynvml.NVMLError(code)
 
 
+def from_pynvml(name: str, unimplemented: int) -> Any:
+    """A name a fake NVML does not define: pynvml's constant, error class or helper as it is; an NVML
+    function the fake does not implement raises `unimplemented` (FunctionNotFound: like an old driver;
+    NotSupported: a snapshot that does not say)."""
+    real = getattr(pynvml, name)
+    if callable(real) and name.startswith("nvml") and not isinstance(real, type) \
+            and not name.startswith("nvmlEventType") and name not in _PURE_HELPERS:
+        def missing(*args: Any, **kwargs: Any) -> Any:
+            raise _error(unimplemented)
+        missing.__name__ = name
+        return missing
+    return real
+
+
 class FakeNvml(MemoryCalls, DriverCalls, ThermalCalls, NvlinkCalls):
     """Call it exactly as you would call the `pynvml` module. Each check's calls live in a mixin of their own."""
 
@@ -73,14 +87,7 @@ class FakeNvml(MemoryCalls, DriverCalls, ThermalCalls, NvlinkCalls):
     # Constants, NVMLError classes and helpers come straight from pynvml. A pynvml function this fake
     # does not implement behaves like a symbol missing from an old driver: FunctionNotFound.
     def __getattr__(self, name: str) -> Any:
-        real = getattr(pynvml, name)
-        if callable(real) and name.startswith("nvml") and not isinstance(real, type) \
-                and not name.startswith("nvmlEventType") and name not in _PURE_HELPERS:
-            def missing(*args: Any, **kwargs: Any) -> Any:
-                raise _error(pynvml.NVML_ERROR_FUNCTION_NOT_FOUND)
-            missing.__name__ = name
-            return missing
-        return real
+        return from_pynvml(name, pynvml.NVML_ERROR_FUNCTION_NOT_FOUND)
 
     # -- library ---------------------------------------------------------------------------------
 

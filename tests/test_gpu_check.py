@@ -108,9 +108,10 @@ def test_make_gpu_check_runs_on_a_bare_checkout_with_only_the_device_packages(tm
     assert seen.stdout.split() == ["[]", "0"], seen.stdout + seen.stderr     # nothing of gpu-npd installed there
 
     out = tmp_path / "check"
+    checkout = _bare_checkout(tmp_path / "checkout")        # no gpu_npd.egg-info that `make install` left
     proc = subprocess.run(["make", "-s", "gpu-check", f"GPU_CHECK_PYTHON={python}", "GPU_CHECK_NVML=fake:h100-sxm-8",
                            f"GPU_CHECK_OUT={out}", f"GPU_CHECK_ARGS=--skip nccl {' '.join(SHORT_DAEMON)}"],
-                          capture_output=True, text=True, timeout=300, cwd=REPO,
+                          capture_output=True, text=True, timeout=300, cwd=checkout,
                           env={k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     steps = {s["name"]: s for s in json.loads((out / "gpu-check.json").read_text())["steps"]}
@@ -119,7 +120,21 @@ def test_make_gpu_check_runs_on_a_bare_checkout_with_only_the_device_packages(tm
     assert "visibility ok" in steps["diagnose"]["outcome"] and "xid ok" in steps["diagnose"]["outcome"]
     assert steps["diagnose"]["outcome"].endswith("problems: none")
     assert steps["daemon"]["outcome"].startswith("ok: verdict healthy")
-    assert (REPO / "build" / "gpu-check-metadata").is_dir()
+    assert (checkout / "build" / "gpu-check-metadata").is_dir()
+
+
+def _bare_checkout(dest: Path) -> Path:
+    """The repository's files as a fresh clone has them (tracked and not ignored), nothing installed."""
+    listed = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=REPO, capture_output=True,
+                            check=True).stdout.decode().split("\0")
+    for name in filter(None, listed):
+        source, target = REPO / name, dest / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if source.is_symlink():                              # detector/rules/builtin -> rules/
+            target.symlink_to(source.readlink())
+        elif source.is_file():
+            shutil.copy2(source, target)
+    return dest
 
 
 def test_event_fields_read_real_xid_events():

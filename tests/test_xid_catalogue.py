@@ -29,7 +29,7 @@ XID_RULES = REPO / "rules" / "xid.yaml"
 
 XID_FIELDS = {"kind", "code", "pci_bus_id", "fatal", "recovery_action", "message", "pid", "process_name",
               "count", "source", "boot", "line", "incidents", "follows", "origin", "gpu_instance", "nvlink_unit",
-              "nvlink_subcode", "link", "applications", "detail"}
+              "nvlink_subcode", "link", "applications", "detail", "faults"}
 KNOWN_FIELDS = {"xid": XID_FIELDS | set(COMMON_FIELDS)}
 
 # NVIDIA's immediate-action bucket per code; workflow buckets resolved as the project decided

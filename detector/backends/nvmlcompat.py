@@ -33,6 +33,8 @@ HEADER_VALUES: dict[str, int] = {
     "NVML_FI_DEV_GET_GPU_RECOVERY_ACTION": 230,
     # nvmlValueType_t: NVML_VALUE_TYPE_UNSIGNED_SHORT = 6 (not in binding 12.535.77; in 12.560.30 on).
     "NVML_VALUE_TYPE_UNSIGNED_SHORT": 6,
+    # nvmlBrandType_t: NVML_BRAND_NVIDIA_VGAMEDEV = 18 (nvml.h; a newer brand than the floor's binding).
+    "NVML_BRAND_NVIDIA_VGAMEDEV": 18,
     # nvmlDeviceGpuRecoveryAction_t: NONE..DRAIN_AND_RESET 0-4 (565/570), RECOVER_IMEX_DOMAIN 5 (595),
     # BUS_RESET 6 and SYSTEM_REBOOT 7 (615). NVML change log, https://docs.nvidia.com/deploy/nvml-api/
     # change-log.html; the numbers as cuda.bindings.nvml.DeviceGpuRecoveryAction documents them.

@@ -15,11 +15,11 @@ import pynvml
 from detector.backends.nvmlcompat import constant as nvml_constant
 
 from detector.core.pciaddr import nvml_bus_id
+from fake_nvml.nvml import from_pynvml
 from fake_nvml.replay.side_files import NvlinkListing
 from fake_nvml.replay.snapshot import GpuSnapshot, Snapshot
 
 _MIB = 1024 * 1024
-_PURE_HELPERS = frozenset({"nvmlExceptionClass", "nvmlStructToFriendlyObject", "nvmlFriendlyObjectToStruct"})
 _REASON_BITS = {
     "gpu_idle": pynvml.nvmlClocksEventReasonGpuIdle,
     "applications_clocks_setting": pynvml.nvmlClocksEventReasonApplicationsClocksSetting,
@@ -56,7 +56,7 @@ BRANDS = {"unknown": pynvml.NVML_BRAND_UNKNOWN, "quadro": pynvml.NVML_BRAND_QUAD
           "nvidia cloud gaming": pynvml.NVML_BRAND_NVIDIA_CLOUD_GAMING, "quadro rtx": pynvml.NVML_BRAND_QUADRO_RTX,
           "nvidia rtx": pynvml.NVML_BRAND_NVIDIA_RTX, "nvidia": pynvml.NVML_BRAND_NVIDIA,
           "geforce rtx": pynvml.NVML_BRAND_GEFORCE_RTX, "titan rtx": pynvml.NVML_BRAND_TITAN_RTX,
-          "nvidia rtx virtual game dev": pynvml.NVML_BRAND_NVIDIA_VGAMEDEV}
+          "nvidia rtx virtual game dev": nvml_constant("NVML_BRAND_NVIDIA_VGAMEDEV")}
 # nvidia-smi prints a fabric status as nvmlErrorString of its nvmlReturn_t ("Success", "Unknown Error").
 _RETURNS = {str(pynvml.NVMLError(code)).lower(): code for code in
             (getattr(pynvml, n) for n in dir(pynvml) if n.startswith("NVML_ERROR_"))
@@ -92,14 +92,7 @@ class ReplayNvml:
         self._initialised = 0
 
     def __getattr__(self, name: str) -> Any:
-        real = getattr(pynvml, name)
-        if callable(real) and name.startswith("nvml") and not isinstance(real, type) \
-                and not name.startswith("nvmlEventType") and name not in _PURE_HELPERS:
-            def missing(*args: Any, **kwargs: Any) -> Any:
-                raise _error(pynvml.NVML_ERROR_NOT_SUPPORTED)
-            missing.__name__ = name
-            return missing
-        return real
+        return from_pynvml(name, pynvml.NVML_ERROR_NOT_SUPPORTED)
 
     # -- library ---------------------------------------------------------------------------------
 

@@ -39,8 +39,8 @@ FIELDS = {
     "pid": "the process the driver named, or null",
     "process_name": "its name, '' when unknown",
     "count": "how many lines this incident printed (identical lines close in time)",
-    "faults": "how many faults it stands for (an Event's count): 1 for one application's fault, however many "
-              "lines it printed (XID 13 prints three); else its count of identical lines",
+    "faults": "how many faults it stands for (an Event's count): for an application's XID whose lines name "
+              "the process, those lines (driver 580's XID 13 prints three lines, one with the pid); else its count",
     "incidents": "1 when this observation is a new incident, 0 when it continues one or follows another "
                  "XID (rules with count/window/boots add these up)",
     "follows": "the XID this one is a companion of (154 after it, 45 'caused by previous Xid N', one "

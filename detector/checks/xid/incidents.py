@@ -54,6 +54,7 @@ class Incident:
     new: bool = True                     # False: continues an incident an earlier run reported
     follows: int | None = None           # the XID this one is a companion of
     count: int = 0
+    pid_lines: int = 0                   # its lines that named a process: one per fault of an application
     sources: set[str] = field(default_factory=set)
     opened_without_pid: bool = False     # its first line named no process (driver 580's XID 13)
     nvml_matched: bool = False           # an NVML event was matched to it
@@ -68,7 +69,8 @@ class Incident:
             "kind": e.kind, "code": e.code, "pci_bus_id": e.pci_bus_id, "fatal": e.fatal,
             "recovery_action": e.recovery_action, "message": e.message, "pid": e.pid,
             "process_name": e.process_name, "count": self.count,
-            "faults": 1 if e.kind == "xid" and e.code in APPLICATION_XIDS else self.count,
+            "faults": self.pid_lines if self.pid_lines and e.kind == "xid" and e.code in APPLICATION_XIDS
+            else self.count,
             "incidents": 1 if self.new and self.follows is None else 0, "follows": self.follows,
             "source": "both" if len(self.sources) > 1 else next(iter(self.sources)),
             "boot": self.boot, "line": self.line, "origin": e.origin,
@@ -194,6 +196,7 @@ class IncidentTracker:
             if taken is not None:
                 self._kernel_seen.append(_Seen(taken, incident, self.run))
         incident.count += 1
+        incident.pid_lines += event.pid is not None
         incident.sources.add(source)
         if when is not None:
             incident.last_time = when if incident.last_time is None else max(incident.last_time, when)

@@ -255,13 +255,26 @@ def test_persistence_off_is_a_warning_per_gpu_where_the_site_requires_it(registr
     assert out.rules() == {"driver-persistence-off"}
 
 
-def test_persistence_off_is_reported_but_no_problem_by_default(registry):
-    """The driver's default is off and jobs run without it: observed, not judged, unless a site asks."""
+def test_persistence_off_on_some_gpus_of_a_node_set_up_for_it_is_a_warning_by_default(registry):
+    """6 of 8 GPUs run with persistence: the 2 without lost it (a reset or reload drops the setting)."""
     out = driver("h100-sxm-8-persistence-off", registry)
-    assert out.problems == []
-    assert [gpu_fields(out, i)["persistence_mode"] for i in (0, 1, 5)] == ["enabled", "disabled", "disabled"]
-    assert gpu_fields(out, 1)["persistence_required"] is False
+    assert out.rules() == {"driver-persistence-off"}
+    assert [g.index for g in out.by_rule()["driver-persistence-off"].gpus] == [1, 5]
+    assert "6 other GPU(s) of this node have it on" in out.problems[0].message
+    assert gpu_fields(out, 1)["persistence_required"] is False and gpu_fields(out, 1)["persistence_on_others"] == 6
     assert "persistence off on 2/8 GPU(s)" in out.sweep.runs[0].summary
+
+
+def test_persistence_off_on_every_gpu_is_reported_but_no_problem_by_default(registry):
+    """The driver's default is off and jobs run without it (real healthy VMs and desktops): observed, not
+    judged, unless the site asks."""
+    node = node_for("h100-sxm-8-persistence-off")
+    for gpu in (0, 2, 3, 4, 6, 7):
+        node.inject(Fault("persistence_off", gpu))
+    out = diagnose_host(fake_host(node), registry, checks=["driver"])
+    assert out.problems == [] and "persistence off on 8/8 GPU(s)" in out.sweep.runs[0].summary
+    out = diagnose_host(fake_host(node), registry, checks=["driver"], settings={"driver": {"require_persistence": True}})
+    assert len(out.by_rule()["driver-persistence-off"].gpus) == 8
 
 
 def test_settings_choose_the_modules(registry):

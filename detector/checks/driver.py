@@ -69,7 +69,9 @@ class DriverCheck(Check):
         "gpus_registered": "node: GPUs the driver registered (/proc/driver/nvidia/gpus)",
         # gpu
         "persistence_mode": "gpu: enabled, disabled or not_supported",
-        "persistence_required": "gpu: the require_persistence setting (persistence off is a problem only then)",
+        "persistence_required": "gpu: the require_persistence setting",
+        "persistence_on_others": "gpu: how many of the node's other GPUs run with persistence mode on (persistence "
+                                 "off is a problem when the setting requires it, or when others have it)",
         "recovery_action": "gpu: the action the driver asks for, as a gpu-npd action (NONE, RESET_GPU, RESTART_BM, "
                            "DRAIN_P2P, DRAIN_AND_RESET, INSPECT), or unknown (driver before 565)",
         "recovery_action_nvml": "gpu: NVML's name for it (GPU_RESET, NODE_REBOOT, ...), or unknown",
@@ -93,8 +95,9 @@ class DriverCheck(Check):
         # Persistence is off by the driver's default and jobs run without it (they wait for the GPU to initialise):
         # a site policy, not a fault, so it is judged only where a site asks for it.
         "require_persistence": ConfigField(bool, False,
-                                           "report GPUs running without persistence mode (off by the driver's "
-                                           "default; jobs run without it, each waiting for the GPU to initialise)"),
+                                           "report every GPU running without persistence mode (off by the "
+                                           "driver's default; jobs run without it, each waiting for the GPU to "
+                                           "initialise); without it, only GPUs whose node-mates have it on"),
     }
     gauges = {
         "gpu_npd_driver_modules_missing": GaugeSpec("modules_missing_count", "Required NVIDIA kernel modules not "
@@ -117,8 +120,13 @@ class DriverCheck(Check):
                 errors.append(f"GPU {gpu.index}: {nvml_error_name(e)}")
         node = self._node_fields(ctx, info, gpus)
         observations = [Observation(self.name, node)]
+        # A node whose other GPUs run with persistence shows it is set up for it: one without it lost it
+        # (a GPU reset or a driver reload drops the setting), whatever require_persistence says.
+        enabled = sum(g["persistence_mode"] == "enabled" for g in gpus)
         required = {"persistence_required": bool(self.config["require_persistence"])}
-        observations += [Observation(self.name, {**dict.fromkeys(self.fields), **f, **required}, gpu.ref())
+        observations += [Observation(self.name, {**dict.fromkeys(self.fields), **f, **required,
+                                                 "persistence_on_others": enabled - (f["persistence_mode"] == "enabled")},
+                                     gpu.ref())
                          for gpu, f in gpus_with_refs(ctx.inventory.gpus, gpus)]
         result = {"node": {k: v for k, v in node.items() if k in NODE_FIELDS}, "gpus": gpus}
         unreadable = list(info.errors) if info is not None else [error] if error else []

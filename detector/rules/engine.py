@@ -62,7 +62,7 @@ class RuleEngine:
                 if problem is not None:
                     problems.append(problem)
             else:
-                problems.append(rule.problem(hits[i]))
+                problems.extend(rule.problem(group) for group in _per_process(rule, hits[i]))
         return problems
 
     def _escalate(self, rule: Rule, hits: list[Observation]) -> Problem | None:
@@ -94,3 +94,16 @@ def _gpu_key(obs: Observation) -> Any:
     if obs.gpu is None:
         return None
     return obs.gpu.pci_bus_id or obs.gpu.uuid or obs.gpu.index
+
+
+def _per_process(rule: Rule, hits: list[Observation]) -> list[list[Observation]]:
+    """An event about processes is one per process and GPU: two programs faulting in one sweep are two
+    Events, each naming its own pid, never one. Conditions, and events that name no process, make one
+    problem of all their hits (one condition, many GPUs)."""
+    if rule.report != "event":
+        return [hits]
+    groups: dict[Any, list[Observation]] = {}
+    for obs in hits:
+        pid = obs.fields.get("pid")
+        groups.setdefault(None if pid is None else (obs.gpu, pid), []).append(obs)
+    return list(groups.values())

@@ -157,8 +157,7 @@ def _node_fields(ctx: SweepContext) -> tuple[dict[str, Any], str]:
     note = ""
     try:
         # a snapshot's bus lists its GPUs only: NVSwitches unknown, never "none"
-        nvswitches: int | None = (nvswitch_count(ctx.host.pci) if getattr(ctx.host.pci, "nvswitches_known", True)
-                                  else None)
+        nvswitches: int | None = None if ctx.host.snapshot else nvswitch_count(ctx.host.pci)
     except OSError as e:
         nvswitches, note = None, f"PCI bus unreadable: {e}"
     running: bool | None = None

@@ -156,18 +156,14 @@ class NvlinkCheck(Check):
                 errors.append(f"GPU {gpu.index}: {e}")
                 continue
             debounce = float(self.config["debounce"])
-            settling = 0
-            for link, down_for in sorted(held[gpu.index].items()):
-                is_expected = link in expected
-                held_down = down_for is None or down_for >= debounce
-                settling += is_expected and not held_down
-                observations.append(Observation(self.name, {
-                    "scope": "link", "nvlink": "supported", "link": link, "link_state": "inactive",
-                    "expected": is_expected, "links_expected": fields["links_expected"], "expected_because": because,
-                    "inactive_links": fields["inactive_links"], "down_for_s": _rounded(down_for),
-                    "held_down": held_down, "debounce_s": debounce}, gpu.ref()))
-            fields["links_settling"] = settling
-            observations.insert(len(observations) - len(held[gpu.index]), Observation(self.name, fields, gpu.ref()))
+            links = [Observation(self.name, {
+                "scope": "link", "nvlink": "supported", "link": link, "link_state": "inactive",
+                "expected": link in expected, "links_expected": fields["links_expected"], "expected_because": because,
+                "inactive_links": fields["inactive_links"], "down_for_s": _rounded(down_for),
+                "held_down": down_for is None or down_for >= debounce, "debounce_s": debounce}, gpu.ref())
+                for link, down_for in sorted(held[gpu.index].items())]
+            fields["links_settling"] = sum(o.fields["expected"] and not o.fields["held_down"] for o in links)
+            observations += [Observation(self.name, fields, gpu.ref()), *links]
             gpus.append({"index": gpu.index, "uuid": gpu.uuid, **fields, "links": per_link})
         live = {g.uuid for g in ctx.inventory.gpus if g.uuid}
         self._window.keep_only({(u, c) for u in live for c in RATED})
@@ -213,7 +209,8 @@ class NvlinkCheck(Check):
                                   if not seen_up else "the links seen up in this boot")
         like = [len(states[g.index]) for g in read if g.name == gpu.name]
         wanted = set(states[gpu.index]) | seen_up
-        wanted |= set(range(max(like, default=0))) if len(wanted) < max(like, default=0) else set()
+        if len(wanted) < max(like, default=0):          # fewer than its peers report: the rest are missing
+            wanted |= set(range(max(like)))
         return wanted, (f"{evidence}: every link NVML reports, and as many as the node's other {gpu.name} GPUs "
                         f"({max(like, default=0)})" if len(like) > 1 else f"{evidence}: every link NVML reports")
 

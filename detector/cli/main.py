@@ -24,9 +24,6 @@ from detector.yamlsource import SourceError
 
 EXIT_HEALTHY, EXIT_PROBLEMS, EXIT_USAGE = 0, 1, 2
 BUILTIN_RULES = "builtin"
-# A replayed snapshot is one sample that held for the whole window: its clock event reasons are judged as
-# sustained, not as a window still filling.
-SNAPSHOT_THERMAL = {"min_samples": 1, "min_span": 0.0}
 
 
 class UsageError(Exception):
@@ -224,8 +221,6 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
         if "nccl" not in [n.strip() for n in selected.split(",")]:
             raise UsageError("--nccl-tests and --nccl-size configure the nccl check, which --checks leaves out")
         overrides["nccl"] = _nccl_overrides(args)
-    if args.nvml.startswith("replay:"):
-        overrides["thermal"] = SNAPSHOT_THERMAL      # one snapshot stands for the whole window
     checks = load_selected_checks(registry, selected, args.config, overrides)
     post_mortem = bool(args.kernel_log) and [c.name for c in checks] == ["xid"]
     host = open_host(args.nvml, node_name=args.node_name, sysfs_root=args.sysfs_root, nvidia_smi=args.nvidia_smi,

@@ -26,10 +26,8 @@ _GPU_CLASS = 0x0302          # 3D controller: what a datacenter GPU reports wher
 
 
 class ReplayPciBus:
-    """The snapshot's GPUs, and only those. nvidia-smi does not list NVSwitches: `nvswitches_known` says so,
-    for a fabric check that tells an unknown count from none (today it reads 0)."""
-
-    nvswitches_known = False
+    """The snapshot's GPUs, and only those. nvidia-smi does not list NVSwitches: the host is a snapshot
+    (`Host.snapshot`), so the fabric check reads their count as unknown, not none."""
 
     def __init__(self, snapshot: Snapshot):
         self.snapshot = snapshot

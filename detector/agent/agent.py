@@ -22,6 +22,7 @@ from detector.core.check import Check
 from detector.core.gpu_health import GpuHealth, fuller, gpu_health, gpu_key
 from detector.core.inventory import Inventory
 from detector.core.nodecheck import NodeCheck, NodeView, judge_node
+from detector.core.nodestatus import MAINTENANCE_ANNOTATION
 from detector.core.sweep import CheckRun, Host, SweepResult, run_sweep
 from detector.core.types import GpuRef, Problem
 from detector.rules.engine import RuleEngine
@@ -59,6 +60,7 @@ class AgentSettings:
     start_spread_s: float = 10.0           # first runs spread over this, so nodes do not act at once
     message_limit: int = MESSAGE_LIMIT
     state_dir: Path | None = None          # problems.json (held problems) and operator clear requests
+    maintenance_annotation: str = MAINTENANCE_ANNOTATION   # a site's "under maintenance" annotation ("": none)
 
 
 class NodeAgent:
@@ -83,6 +85,8 @@ class NodeAgent:
         self._by_name = {c.name: c for c in self.checks}
         self._ran: set[str] = set()
         self._attempted: set[str] = set()     # checks that ran at all, skipped included
+        self._started = clock()
+        self._boot_runs: tuple[str, set[str]] = (host.current_boot(), set())   # checks run (not skipped) this boot
         self._judged: set[str] = set()
         self._inventory: tuple[float, str, Inventory] | None = None
         self._known_gpus: dict[str, GpuRef] = {}   # every GPU seen: one lost from NVML keeps its row
@@ -151,7 +155,9 @@ class NodeAgent:
                 self._retry_soon(run)
             else:
                 self._ran.add(run.name)
-        if self.node_checks and self._attempted >= self._scheduled and not over:
+                if not over:
+                    self._ran_in(boot).add(run.name)
+        if self.node_checks and not over:
             changed |= self._judge_node(result, problems, now, boot)
         self._learn_identities(l.problem for l in self.active.latches.values())
         newly_judged = self._judge()
@@ -185,21 +191,37 @@ class NodeAgent:
         health = gpu_health(self._known_gpus.values(), (l.problem for l in self.active.latches.values()))
         return [replace(h, incidents=self._incidents.get(gpu_key(h.gpu), 0)) for h in health]
 
+    def _ran_in(self, boot: str) -> set[str]:
+        """The scheduled checks that have run (not skipped) in `boot`: a fake node's reboot starts afresh."""
+        if self._boot_runs[0] != boot:
+            self._boot_runs = (boot, set())
+        return self._boot_runs[1]
+
     def _judge_node(self, result: SweepResult, problems: list[Problem], now: float, boot: str) -> bool:
-        """The node checks, once every scheduled check has run: they judge what the others' rules held and
-        found. Their runs join the sweep's (metrics), their problems the sweep's; True when held ones changed."""
+        """The node checks: they judge what the others' rules held and found, most of them only once every
+        scheduled check has run. Their runs join the sweep's (metrics), their problems the sweep's; True when
+        held ones changed."""
+        all_ran = self._attempted >= self._scheduled
+        checks = [c for c in self.node_checks if all_ran or not c.needs_all_checks]
+        if not checks:
+            return False
         names = {c.name for c in self.node_checks}
         # Held problems count only once seen in this boot: one from before a reboot is not the new boot's.
         held = [l.problem for (_, check), l in self.active.latches.items() if check not in names and l.boot == boot]
+        status = self.host.node_status()
+        inventory = self._inventory[2] if self._inventory is not None else result.inventory
         view = NodeView(self.host.node_name, boot, now, self.gpu_health(), held,
                         found=[p for p in problems if p.check not in names], serials=dict(self._serials),
-                        node_scoped=self._node_scoped, state_dir=self.settings.state_dir)
+                        node_scoped=self._node_scoped, state_dir=self.settings.state_dir,
+                        visible=tuple(g.ref() for g in inventory.gpus), node_status=status,
+                        uptime_s=self.host.uptime_s(), agent_age_s=now - self._started,
+                        pending=tuple(sorted(self._scheduled - self._ran_in(boot))),
+                        maintenance=status.maintenance(self.settings.maintenance_annotation) if status else "")
         changed = False
-        for run in judge_node(self.node_checks, view):
-            if run.result is not None:
-                self._incidents = dict(run.result.get("incidents", {}))
+        for run, found in judge_node(checks, view, lambda run: self.engine.evaluate(_observations(run))):
+            if run.result is not None and "incidents" in run.result:
+                self._incidents = dict(run.result["incidents"])
             result.runs.append(run)
-            found = self.engine.evaluate(_observations(run))
             problems.extend(found)
             changed |= self.active.update(run.name, run.status == "ok", found, now, boot)
             self._attempted.add(run.name)

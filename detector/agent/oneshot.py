@@ -21,8 +21,9 @@ def diagnose_once(host: Host, checks: Sequence[Check], ruleset: RuleSet, invento
     engine = RuleEngine(ruleset)
     problems = engine.evaluate(sweep.observations)
     view = sweep_view(sweep, problems, frozenset(r.name for r in ruleset.rules if r.scope == "node"),
-                      sweep.boot)
-    node_runs = judge_node([c for c in checks if isinstance(c, NodeCheck)], view)
-    sweep.runs.extend(node_runs)
-    problems += engine.evaluate(o for run in node_runs for o in (run.status_observation(), *run.observations))
+                      sweep.boot, host.node_status(), host.uptime_s())
+    for run, found in judge_node([c for c in checks if isinstance(c, NodeCheck)], view,
+                                 lambda run: engine.evaluate([run.status_observation(), *run.observations])):
+        sweep.runs.append(run)
+        problems += found
     return sweep, problems

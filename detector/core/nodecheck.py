@@ -11,14 +11,15 @@ from __future__ import annotations
 
 import time
 from abc import abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Mapping, Sequence
+from typing import TYPE_CHECKING, Callable, ClassVar, Mapping, Sequence
 
 from detector.core.check import Check, CheckOutput, CheckSkipped
 from detector.core.gpu_health import GpuHealth, gpu_health, gpu_key
 from detector.core.sweep import CheckRun, SweepResult, elapsed_ms, finished_run
-from detector.core.types import Problem
+from detector.core.nodestatus import NodeStatus
+from detector.core.types import GpuRef, Problem
 
 if TYPE_CHECKING:
     from detector.core.sweep import SweepContext
@@ -38,6 +39,13 @@ class NodeView:
     serials: Mapping[str, str] = field(default_factory=dict)   # gpu_key -> serial, where NVML told it
     node_scoped: frozenset[str] = frozenset()   # rules whose problems ask for the node even when they name a GPU
     state_dir: Path | None = None               # where state that must outlive reboots is kept; None: memory
+    visible: tuple[GpuRef, ...] = ()            # the GPUs NVML sees now (health also has those it lost)
+    node_status: NodeStatus | None = None       # what the cluster says of the node; None: unknown
+    uptime_s: float | None = None               # seconds since this boot; None: unknown
+    agent_age_s: float | None = None            # seconds since the agent started
+    pending: tuple[str, ...] = ()               # scheduled checks that have not run in this boot yet
+    maintenance: str = ""                       # why the node is under planned maintenance ("" if not)
+    concluded: tuple[Problem, ...] = ()         # what the node checks judged before this one, in this pass
 
 
 class NodeCheck(Check):
@@ -46,6 +54,9 @@ class NodeCheck(Check):
 
     scheduled = False                           # judged after every sweep, never on a timer
     needs_fresh_inventory = False
+    # True: judged only once every scheduled check has run (it judges what they concluded). False: judged
+    # from the first sweep on (the readiness check, which says which checks are still to run).
+    needs_all_checks: ClassVar[bool] = True
 
     @abstractmethod
     def judge(self, view: NodeView) -> CheckOutput:
@@ -56,25 +67,32 @@ class NodeCheck(Check):
 
 
 def sweep_view(sweep: SweepResult, problems: Sequence[Problem], node_scoped: frozenset[str],
-               boot: str = "current") -> NodeView:
-    """The view of one sweep on its own (`diagnose`): its condition problems count as held, and there is
-    no history beyond this process."""
+               boot: str = "current", node_status: NodeStatus | None = None,
+               uptime_s: float | None = None) -> NodeView:
+    """The view of one sweep on its own (`diagnose`): its condition problems count as held, every check ran,
+    and there is no history beyond this process."""
     held = [p for p in problems if p.report == "condition"]
     refs = [g.ref() for g in sweep.inventory.gpus]
     serials = {gpu_key(g.ref()): g.identity.serial for g in sweep.inventory.gpus if g.identity.serial}
     return NodeView(sweep.node, boot, time.time(), gpu_health(refs, held), held, list(problems), serials,
-                    node_scoped)
+                    node_scoped, visible=tuple(refs), node_status=node_status, uptime_s=uptime_s,
+                    maintenance=node_status.maintenance() if node_status is not None else "")
 
 
-def judge_node(checks: Sequence[NodeCheck], view: NodeView) -> list[CheckRun]:
-    """Each node check's judgement as a run, like a swept check's: a broken one is an error run."""
-    runs = []
+def judge_node(checks: Sequence[NodeCheck], view: NodeView,
+               evaluate: Callable[[CheckRun], list[Problem]]) -> list[tuple[CheckRun, list[Problem]]]:
+    """Each node check's judgement as a run, like a swept check's (a broken one is an error run), and what
+    `evaluate` (the rules) made of it. In order: each check sees what those before it concluded."""
+    judged: list[tuple[CheckRun, list[Problem]]] = []
     for check in checks:
         t0 = time.monotonic()
         try:
             output = check.judge(view)
         except Exception as e:  # noqa: BLE001 - a broken check is reported, never fatal
-            runs.append(CheckRun(check.name, "error", elapsed_ms(t0), f"{type(e).__name__}: {e}"))
-            continue
-        runs.append(finished_run(check, output, elapsed_ms(t0)))
-    return runs
+            run = CheckRun(check.name, "error", elapsed_ms(t0), f"{type(e).__name__}: {e}")
+        else:
+            run = finished_run(check, output, elapsed_ms(t0))
+        found = evaluate(run)
+        judged.append((run, found))
+        view = replace(view, concluded=(*view.concluded, *found))
+    return judged

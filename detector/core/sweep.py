@@ -12,6 +12,7 @@ from detector.backends.smi import NvidiaSmi
 from detector.core.check import Check, CheckOutput, CheckSkipped, GaugeSpec
 from detector.core.deadline import Hung, Pending
 from detector.core.inventory import Inventory, read_inventory
+from detector.core.nodestatus import NodeStatus
 from detector.core.types import Observation
 
 
@@ -35,6 +36,8 @@ class Host:
                                        # (detector/backends/system.py); None: not readable here
     uptime_s: Callable[[], float | None] = lambda: None   # seconds since this boot; None: unknown (a replay)
     snapshot: bool = False             # one saved capture (a replay): what it shows counts as held
+    node_status: Callable[[], NodeStatus | None] = lambda: None   # what the cluster says of this node, as
+                                       # last read (detector/core/nodestatus.py); None: unknown (no API server)
 
     def current_boot(self) -> str:
         """This boot now: a fake node can reboot under a running agent, a real machine cannot."""

@@ -86,6 +86,7 @@ class NodeAgent:
         self._ran: set[str] = set()
         self._attempted: set[str] = set()     # checks that ran at all, skipped included
         self._started = clock()
+        self._node_due = False                # the node changed (its advertised GPUs, maintenance): judge it again
         self._boot_runs: tuple[str, set[str]] = (host.current_boot(), set())   # checks run (not skipped) this boot
         self._judged: set[str] = set()
         self._inventory: tuple[float, str, Inventory] | None = None
@@ -102,6 +103,8 @@ class NodeAgent:
     def next_due(self, long_running: bool | None = None) -> float:
         """When the next check is due; `long_running` picks one lane (see `run_due`)."""
         with self._lock:
+            if self._node_due and long_running is not True:
+                return 0.0
             return min((t for name, t in self._next.items() if _in_lane(self._by_name[name], long_running)),
                        default=float("inf"))
 
@@ -110,6 +113,12 @@ class NodeAgent:
         with self._lock:
             if check_name in self._next:
                 self._next[check_name] = 0.0
+
+    def kick_node_checks(self) -> None:
+        """What the cluster says of the node changed (host.node_status): judge the node again at once, from
+        what the checks last saw, without waiting for the next check to be due."""
+        with self._lock:
+            self._node_due = bool(self.node_checks)
 
     def run_due(self, long_running: bool | None = None) -> list[Problem]:
         """Run every check that is due, in one sweep; returns the problems its rules found.
@@ -120,9 +129,20 @@ class NodeAgent:
             due = [c for c in self.checks if self._next[c.name] <= now and _in_lane(c, long_running)]
             for c in due:
                 self._next[c.name] = now + c.interval_s
-        if not due:
+            node_due = self._node_due and long_running is not True
+            if node_due:
+                self._node_due = False
+        if due:
+            return self.run(due)
+        return self._rejudge() if node_due else []
+
+    def _rejudge(self) -> list[Problem]:
+        """The node checks alone, over the last inventory (nothing to judge before the first sweep)."""
+        if self._inventory is None:
             return []
-        return self.run(due)
+        result = SweepResult(self.host.node_name, self._inventory[2], [], time.time(), self.host.current_boot())
+        with self._judging:
+            return self._conclude(result, fresh_inventory=False)
 
     def run(self, checks: Sequence[Check]) -> list[Problem]:
         cached = self._cached_inventory(checks)

@@ -32,6 +32,7 @@ class DraDevice:
     """One device of a ResourceSlice published for this node by the NVIDIA DRA driver (gpu.nvidia.com)."""
 
     name: str
+    pool: str = ""
     kind: str = "gpu"                  # the driver's `type` attribute: gpu, mig, ...
     uuid: str | None = None
     pci_bus_id: str | None = None

@@ -1,0 +1,82 @@
+"""A Node object (and this node's ResourceSlices) as the plain NodeStatus that checks and the agent read.
+
+Tolerant by design: a field missing or malformed reads as absent, never as an error, since a node object is
+written by kubelet, device plugins, DRA drivers and people, and a check must still judge what is there.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any, Iterable, Mapping
+
+from detector.core.nodestatus import DraDevice, NodeCondition, NodeStatus
+from detector.core.pciaddr import normalize_bus_id
+
+NVIDIA_DRA_DRIVER = "gpu.nvidia.com"
+UUID_ATTRIBUTES = ("uuid", f"{NVIDIA_DRA_DRIVER}/uuid")
+BUS_ID_ATTRIBUTES = ("resource.kubernetes.io/pciBusID", "pciBusID", f"{NVIDIA_DRA_DRIVER}/pciBusID")
+TYPE_ATTRIBUTES = ("type", f"{NVIDIA_DRA_DRIVER}/type")
+INDEX_ATTRIBUTES = ("index", f"{NVIDIA_DRA_DRIVER}/index")
+
+
+def node_status(node: Mapping[str, Any], read_at: float, dra_devices: tuple[DraDevice, ...] | None = None,
+                dra_error: str = "") -> NodeStatus:
+    metadata = node.get("metadata") or {}
+    status = node.get("status") or {}
+    conditions = {}
+    for c in status.get("conditions") or []:
+        if isinstance(c, dict) and c.get("type"):
+            conditions[c["type"]] = NodeCondition(str(c["type"]), str(c.get("status", "Unknown")),
+                                                  str(c.get("reason") or ""), str(c.get("message") or ""),
+                                                  parse_time(c.get("lastTransitionTime")))
+    return NodeStatus(str(metadata.get("name", "")), read_at, _strings(status.get("capacity")),
+                      _strings(status.get("allocatable")), _strings(metadata.get("labels")),
+                      _strings(metadata.get("annotations")), conditions, dra_devices, dra_error)
+
+
+def dra_devices(slices: Iterable[Mapping[str, Any]], node: str,
+                driver: str = NVIDIA_DRA_DRIVER) -> tuple[DraDevice, ...]:
+    """The devices of `node`'s ResourceSlices of `driver` (attributes sit under devices[].basic before
+    resource.k8s.io/v1beta2, directly under devices[] from it on)."""
+    out = []
+    for s in slices:
+        spec = s.get("spec") or {}
+        if spec.get("nodeName") != node or spec.get("driver") != driver:
+            continue
+        pool = str((spec.get("pool") or {}).get("name", ""))
+        for d in spec.get("devices") or []:
+            attributes = d.get("attributes") or (d.get("basic") or {}).get("attributes") or {}
+            bus = _first(attributes, BUS_ID_ATTRIBUTES)
+            try:
+                bus = normalize_bus_id(bus) if bus else ""
+            except ValueError:
+                bus = ""
+            index = _first(attributes, INDEX_ATTRIBUTES)
+            out.append(DraDevice(str(d.get("name", "")), pool, _first(attributes, TYPE_ATTRIBUTES) or "gpu",
+                                 _first(attributes, UUID_ATTRIBUTES) or None, bus or None,
+                                 int(index) if str(index).isdigit() else None))
+    return tuple(out)
+
+
+def parse_time(value: Any) -> float | None:
+    """An RFC 3339 time as the API writes it (`2026-11-26T10:00:00Z`), as seconds since the epoch."""
+    if not isinstance(value, str) or not value:
+        return None
+    try:
+        return datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return None
+
+
+def _first(attributes: Mapping[str, Any], names: Iterable[str]) -> str:
+    for name in names:
+        value = attributes.get(name)
+        if isinstance(value, dict):
+            value = value.get("string", value.get("int", value.get("version")))
+        if isinstance(value, (str, int)) and not isinstance(value, bool) and str(value):
+            return str(value)
+    return ""
+
+
+def _strings(mapping: Any) -> dict[str, str]:
+    return {str(k): str(v) for k, v in mapping.items()} if isinstance(mapping, dict) else {}

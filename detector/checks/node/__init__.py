@@ -121,7 +121,7 @@ class NodeStateCheck(NodeCheck):
     # -- observations ---------------------------------------------------------------------------------
 
     def _node_observation(self, history: History, view: NodeView) -> Observation:
-        failed = [h for h in view.health if h.state == FAILED]
+        failed = [h for h in view.health if h.state == FAILED and not h.verifying]   # a cure being verified
         remediable = set(self.config["remediable_actions"])
         node_wide = [p for p in _critical(view.held)
                      if (not p.gpus or p.rule in view.node_scoped) and p.action in remediable]
@@ -131,7 +131,7 @@ class NodeStateCheck(NodeCheck):
             "gpus": len(view.health),
             "failed_gpus": len(failed),
             "rebootable_failed_gpus": sum(h.action in remediable for h in failed),
-            "degraded_gpus": sum(h.state == DEGRADED for h in view.health),
+            "degraded_gpus": sum(h.state == DEGRADED and not h.verifying for h in view.health),
             "failed_list": ", ".join(_named(h) for h in failed if h.action in remediable),
             "node_problems": len(node_wide),
             "node_problem_list": ", ".join(dict.fromkeys(f"{p.type} {p.reason}" for p in node_wide)),

@@ -76,7 +76,8 @@ class NodeAgent:
                  rng: random.Random | None = None):
         self.host, self.ruleset = host, ruleset
         self.checks = [c for c in checks if not isinstance(c, NodeCheck)]       # scheduled, in sweeps
-        self.node_checks = [c for c in checks if isinstance(c, NodeCheck)]     # judged after every sweep
+        self.node_checks = sorted((c for c in checks if isinstance(c, NodeCheck)),    # judged after every sweep
+                                  key=lambda c: (c.judge_order, c.name))
         self._scheduled = {c.name for c in self.checks}
         self.sinks = list(sinks)
         self.settings = settings or AgentSettings()

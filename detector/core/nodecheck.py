@@ -57,6 +57,7 @@ class NodeCheck(Check):
     # True: judged only once every scheduled check has run (it judges what they concluded). False: judged
     # from the first sweep on (the readiness check, which says which checks are still to run).
     needs_all_checks: ClassVar[bool] = True
+    judge_order: ClassVar[int] = 0              # node checks are judged in this order (ties: by name)
 
     @abstractmethod
     def judge(self, view: NodeView) -> CheckOutput:

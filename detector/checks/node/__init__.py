@@ -78,10 +78,11 @@ class NodeStateCheck(NodeCheck):
 
     def judge(self, view: NodeView) -> CheckOutput:
         history = self._open(view)
-        history.note_boot(view.boot, view.now)
+        boot = history.note_boot(view.boot, view.now, view.maintenance)
         for problem in _critical(view.held + view.found):
             history.note_problem(view.boot, f"{problem.type}/{problem.reason}", view.now)
-        self._note_incidents(history, view)
+        if not boot.maintenance:               # KEP-5683: a boot of planned maintenance is no GPU's fault
+            self._note_incidents(history, view)
         history.prune(view.now)
         try:
             history.save()
@@ -105,6 +106,7 @@ class NodeStateCheck(NodeCheck):
         return self._history
 
     def _note_incidents(self, history: History, view: NodeView) -> None:
+        """Each GPU's incidents of this boot (not for a boot that began under planned maintenance)."""
         actions = set(self.config["incident_actions"])
         for problem in _critical(view.held + view.found):
             if problem.action not in actions:

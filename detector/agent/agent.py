@@ -191,7 +191,8 @@ class NodeAgent:
         if not over:
             verified = self.active.advance((r.name for r in result.runs if r.status != "skipped"), self._scheduled,
                                            self.settings.verify_sweeps)
-            problems.extend(recovery_event(latch, now) for latch in verified)
+            uptime = self.host.uptime_s()
+            problems.extend(recovery_event(latch, now, uptime) for latch in verified)
             changed |= bool(verified)
         self._learn_identities(l.problem for l in self.active.latches.values())
         maintenance = self.maintenance()
@@ -396,15 +397,17 @@ def write_json(path: Path, data: dict) -> None:
     os.replace(tmp, path)
 
 
-def recovery_event(latch: Latch, now: float) -> Problem:
-    """The event that says a cure was verified, and how long it took from the cure."""
+def recovery_event(latch: Latch, now: float, uptime_s: float | None = None) -> Problem:
+    """The event that says a cure was verified, and how long it took from the cure (for a reboot, from the
+    boot itself where the uptime is known, not from when gpu-npd first saw the new boot)."""
     p, v = latch.problem, latch.verifying
     assert v is not None
     what = ", ".join(g.label() for g in p.gpus) or "the node"
     cure = "the reboot" if v.rebooted else "it cleared"
+    took = uptime_s if v.rebooted and uptime_s is not None else now - v.since
     return Problem("recovery-verified", p.check, p.type, "RecoveryVerified",
                    f"{p.type} {p.reason} on {what} is over: every check passed {v.rounds} rounds in a row, "
-                   f"verified {_duration(now - v.since)} after {cure}", Severity.INFO, "NONE", "event", p.gpus, now)
+                   f"verified {_duration(took)} after {cure}", Severity.INFO, "NONE", "event", p.gpus, now)
 
 
 def under_maintenance(status: ConditionStatus, maintenance: str, limit: int) -> ConditionStatus:

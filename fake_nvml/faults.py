@@ -7,6 +7,8 @@ import importlib
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
+from fake_nvml import device_plugin
+
 if TYPE_CHECKING:
     from fake_nvml.node import FakeGpu, FakeNode, NodeState
 
@@ -97,6 +99,7 @@ def _xid(f: Fault, state: "NodeState", gpu: "FakeGpu | None", node: "FakeNode") 
         node.log_kernel(xid_line(gpu, code, f.params.get("message"), f.params.get("pid")))
     if via in ("both", "nvml"):
         node.emit_xid(gpu, code)
+        device_plugin.on_xid(state, gpu, code)      # the device plugin listens to NVML's XID events
     if code == 79:
         gpu.lost = True          # from now on the driver answers GPU_IS_LOST for this GPU
     if code in (48, 95):
@@ -233,6 +236,7 @@ def _in_module(module: str, name: str) -> Callable[..., None]:
 #   nvml_nvlink    NVLink and the fabric (the nvlink and fabric checks)
 #   infiniband     InfiniBand/RoCE ports (the infiniband check)
 RECOVERY_HOOKS.extend(_in_module(module, "heal") for module in ("nvml_thermal", "system", "nvml_nvlink", "infiniband"))
+RECOVERY_HOOKS.append(device_plugin.heal)       # the device plugin restarts with the node
 
 
 def _thermal(name: str) -> Callable[..., None]:
@@ -353,6 +357,14 @@ FAULT_KINDS: dict[str, FaultKind] = {k.name: k for k in (
               "an HCA's ports vanish from /sys/class/infiniband (fell off the bus, driver gone)"),
     FaultKind("vbios", True, {"version": str}, ("version",), _set("vbios_version", "version"),
               "the GPU's VBIOS is updated to this version (NVML reports it from now on)"),
+    # -- device plugin faults (the allocatable check): fake_nvml/device_plugin.py --
+    FaultKind("device_plugin_stale", False, {}, (), device_plugin.stale,
+              "the NVIDIA device plugin keeps advertising the nvidia.com/gpu counts it has now, whatever "
+              "happens to the GPUs (until recover without a gpu, or reboot, restarts it)"),
+    FaultKind("device_plugin_count", False, {"count": int}, ("count",), device_plugin.count,
+              "the device plugin advertises this many nvidia.com/gpu (capacity and allocatable)"),
+    FaultKind("device_plugin_down", False, {}, (), device_plugin.down,
+              "the device plugin is gone: nvidia.com/gpu 0 (as kubelet shows it), no DRA devices"),
     FaultKind("recover", False, {}, (), _recover,
               "reset a GPU (with gpu) or repair the node (without) back to healthy"),
     FaultKind("reboot", False, {}, (), _reboot,

@@ -146,6 +146,12 @@ class NodeState:
     fabric_manager_running: bool = True     # nv-fabricmanager's daemon (needed on NVSwitch systems)
     # -- node-level state of the infiniband check (HCA ports) --
     ib_ports: list[FakeIbPort] = field(default_factory=list)   # InfiniBand/RoCE ports (fake_nvml/infiniband.py)
+    # -- the device plugin and DRA driver (the allocatable check; fake_nvml/device_plugin.py) --
+    device_plugin: str = ""                  # "": follows the GPUs; stale, count (lies) or down
+    device_plugin_capacity: int = 0          # what a stale or count plugin advertises
+    device_plugin_allocatable: int = 0
+    device_plugin_unhealthy: list[str] = field(default_factory=list)   # UUIDs it marked unhealthy (XIDs)
+    dra_driver: bool = False                 # the gpu.nvidia.com DRA driver publishes this node's GPUs
 
     def to_dict(self) -> dict[str, Any]:
         """Every field, as JSON: nested dataclasses become dicts (`from_dict` rebuilds them)."""
@@ -342,6 +348,16 @@ class FakeNode:
             self._first_boot = False
             self._log_driver_load()
             self._kernel_logged.notify_all()
+
+    def advertised_resources(self) -> dict[str, dict[str, str]]:
+        """What its device plugin tells the scheduler: {"capacity": {...}, "allocatable": {...}}."""
+        from fake_nvml.device_plugin import advertised
+        return self.read(advertised)
+
+    def resource_slices(self, node_name: str | None = None) -> list[dict[str, Any]]:
+        """The ResourceSlices its DRA driver publishes ([] without one)."""
+        from fake_nvml.device_plugin import resource_slices
+        return self.read(lambda state: resource_slices(state, node_name or state.name))
 
     def emit_xid(self, gpu: FakeGpu, code: int) -> None:
         """Deliver an XID to NVML's event API (called by faults, under the lock)."""

@@ -582,6 +582,18 @@ class Emulator:
     def _with_kind(item: dict, kind: Kind) -> dict:
         return {"apiVersion": kind.api_version, "kind": kind.kind, **clone(item)}
 
+    def set_node_resources(self, name: str, capacity: Mapping[str, str], allocatable: Mapping[str, str]) -> dict:
+        """What a device plugin's registration makes kubelet write: extended resources merged into the
+        node's status.capacity and status.allocatable (the other resources are left as they are)."""
+        def build(current: dict) -> dict:
+            node = clone(current)
+            status = node.setdefault("status", {})
+            status["capacity"] = {**(status.get("capacity") or {}), **capacity}
+            status["allocatable"] = {**(status.get("allocatable") or {}), **allocatable}
+            return node
+
+        return clone(self.store.update(NODES, None, name, build))
+
     def set_node_condition(self, name: str, condition: dict) -> dict:
         """Add or update one condition by type, as the kubelet does: heartbeat now, transition time
         moved only when the status changes."""

@@ -93,13 +93,23 @@ def cmd_demo(args: argparse.Namespace) -> int:
     node = load_scenario(args.scenario).build(NODE)
     local = local_daemon(args.scenario, NODE, settings=settings, emulator=emulator, node=node,
                          check_settings={"visibility": {"interval": 2}, "pcie": {"interval": 10},
-                                         "driver": {"interval": 2}})
+                                         "driver": {"interval": 2}, "allocatable": {"settle": 0}})
     publish_gpu_slice(emulator, node)
     w = Watcher(local)
+
+    def device_plugin() -> None:
+        """The fake device plugin's counts, as kubelet writes them on the node (they follow its GPUs)."""
+        advertised = node.advertised_resources()
+        emulator.set_node_resources(NODE, advertised["capacity"], advertised["allocatable"])
+        w.say(f"    node status: nvidia.com/gpu capacity {advertised['capacity']['nvidia.com/gpu']}, allocatable "
+              f"{advertised['allocatable']['nvidia.com/gpu']} (the device plugin; the allocatable check compares "
+              "them with the GPUs NVML sees)")
+
     ok = True
     try:
         w.say(f"Kubernetes API emulator at {emulator.url}; node {NODE}: fake {args.scenario}, and the NVIDIA "
               "DRA driver's ResourceSlice for its GPUs")
+        device_plugin()
         w.say(f"starting gpu-npd run --dra-taints (metrics on http://{local.daemon.endpoints.address}/metrics)")
         local.start()
 
@@ -118,8 +128,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
               f"{local.conditions().get('GpuNodeNeedsRemediation', {}).get('status')}: one GPU is fenced, the "
               "node is not asked to reboot")
         ok &= has("GpuNodeNeedsRemediation", "False")()
+        device_plugin()
         w.say(">>> rebooting the node (XID conditions hold until a reboot)")
         node.inject(Fault("reboot"))
+        device_plugin()
         ok &= w.until(lambda: has("GpuXidError", "False")() and has("GpuMissing", "False")()
                       and not emulator.device_taint_rules(), args.timeout)
 

@@ -16,7 +16,9 @@ from detector.config import build_checks
 from detector.core.check import CheckRegistry
 from detector.kube.api import ApiError, KubeApi
 from detector.core.domain import key
+from detector.core.nodestatus import NodeStatus
 from detector.kube.conditions import MARKER, MESSAGE_LIMIT, rfc3339
+from detector.kube.node_status import node_status
 from detector.kube.reporter import KubeReporter, ReporterSettings
 from detector.rules.loader import RuleSet
 from detector.sim.annotations import INJECT_ANNOTATION, STATUS_ANNOTATION, AnnotationError, parse_faults, plan, status_value
@@ -84,6 +86,9 @@ class SimNode:
         self.annotated: tuple[Fault, ...] = ()  # the faults it applied, still on the node
         self.annotation_error: str | None = None  # what was wrong with the value, if anything
         self.status_task = _StatusTask(self)
+        self.resources_task = _ResourcesTask(self)
+        self.node_status: NodeStatus | None = None   # the node object the fleet's watch saw last, parsed
+        self.published: dict[str, dict[str, str]] | None = None   # the device plugin's counts last written
 
     @property
     def name(self) -> str:
@@ -121,6 +126,21 @@ class _StatusTask(Task):
         super().__init__()
         self.node = node
         self.name = f"fault status of {node.name}"
+        self.write: Callable[[SimNode], None] = lambda node: None      # set by the fleet
+
+    def run(self) -> float | None:
+        self.write(self.node)
+        return None
+
+
+class _ResourcesTask(Task):
+    """Publishes what the node's fake device plugin advertises as its KWOK node's capacity and allocatable:
+    one PATCH of nodes/status when the counts changed, none otherwise."""
+
+    def __init__(self, node: SimNode):
+        super().__init__()
+        self.node = node
+        self.name = f"resources of {node.name}"
         self.write: Callable[[SimNode], None] = lambda node: None      # set by the fleet
 
     def run(self) -> float | None:
@@ -188,6 +208,8 @@ class Fleet:
         spread = self.settings.start_spread_s
         for i, node in enumerate(self.nodes.values()):
             self.scheduler.wake(node.checks_task, self.started_at + spread * i / max(len(self.nodes), 1))
+            if not self.settings.create_nodes:            # an adopted node shows what its device plugin says
+                self.scheduler.wake(node.resources_task, self.started_at + spread * i / max(len(self.nodes), 1))
         planned = plan_faults(self.spec, self.settings.horizon_s)
         if adopted:
             planned = [replace(p, node=adopted.get(p.node, p.node)) for p in planned]
@@ -220,6 +242,7 @@ class Fleet:
         for check in node.agent.checks:
             node.agent.kick(check.name)
         self.scheduler.wake(node.checks_task)
+        self.scheduler.wake(node.resources_task)
         return record
 
     def on_node_seen(self, node_object: dict[str, Any]) -> None:
@@ -229,6 +252,7 @@ class Fleet:
         node = self.nodes.get(metadata.get("name", ""))
         if node is None:
             return
+        self._note_status(node, node_object)
         value = (metadata.get("annotations") or {}).get(INJECT_ANNOTATION, "")
         with self._annotation_lock:
             if value == node.annotation:
@@ -248,6 +272,28 @@ class Fleet:
                     self.inject(node.name, fault, "annotation")
                 node.annotated, node.annotation_error = wanted, None
         self.scheduler.wake(node.status_task)
+
+    def _note_status(self, node: SimNode, node_object: dict[str, Any]) -> None:
+        """What the cluster says of the node, for its agent's node checks (host.node_status): when it
+        changed in what they read (resources, labels, annotations, conditions), they judge again at once.
+        The agent's own condition writes come back this way too; only a change of theirs kicks."""
+        status = node_status(node_object, self.clock())
+        before = node.node_status
+        node.node_status = status
+        if before is None or _judged_part(before) != _judged_part(status):
+            node.agent.kick_node_checks()
+            self.scheduler.wake(node.checks_task)
+
+    def _publish_resources(self, node: SimNode) -> None:
+        advertised = node.fake.advertised_resources()
+        if advertised == node.published:
+            return
+        try:
+            self.api.patch_node_status(node.name, {"status": advertised})
+        except ApiError as e:                   # the next change (or fault) tries again
+            log.warning("node %s: cannot publish its device plugin's resources: %s", node.name, e)
+            return
+        node.published = advertised
 
     def _write_status(self, node: SimNode) -> None:
         with self._annotation_lock:
@@ -284,7 +330,7 @@ class Fleet:
         gpus = fake.read(lambda state: [g.model.name for g in state.gpus])
         try:
             self.api.create_node(kwok_node(spec, self.spec.groups[spec.group].scenario,
-                                           gpus[0].replace(" ", "-") if gpus else None))
+                                           gpus[0].replace(" ", "-") if gpus else None, fake.advertised_resources()))
         except ApiError as e:
             if e.status != 409:                # already there: adopt it as it is
                 raise
@@ -298,6 +344,10 @@ class Fleet:
         node = SimNode(spec, fake, agent, reporter)
         reporter.on_pending = lambda: self.scheduler.wake(node.send_task)
         node.status_task.write = self._write_status
+        node.resources_task.write = self._publish_resources
+        if self.settings.create_nodes:
+            node.published = fake.advertised_resources()        # what the node was created with
+        host.node_status = lambda: node.node_status
         return node
 
 
@@ -317,8 +367,16 @@ def _check_gpus(faults: tuple[Fault, ...], node: SimNode) -> None:
             raise AnnotationError(f"{where}.gpu: node {node.name} has GPUs 0 to {node.spec.gpus - 1}, not {fault.gpu}")
 
 
-def kwok_node(spec: SimNodeSpec, scenario: str, product: str | None = None) -> dict[str, Any]:
-    """A KWOK fake node carrying what GPU feature discovery and the device plugin would put on a real one."""
+def _judged_part(status: NodeStatus) -> tuple:
+    """What node checks read of a NodeStatus (not when it was read)."""
+    return (status.capacity, status.allocatable, status.labels, status.annotations, status.conditions,
+            status.dra_devices)
+
+
+def kwok_node(spec: SimNodeSpec, scenario: str, product: str | None = None,
+              advertised: dict[str, dict[str, str]] | None = None) -> dict[str, Any]:
+    """A KWOK fake node carrying what GPU feature discovery and the device plugin would put on a real one
+    (`advertised`: the fake device plugin's capacity and allocatable; else every GPU)."""
     labels = {
         "type": "kwok", "kubernetes.io/hostname": spec.name, "kubernetes.io/os": "linux",
         "kubernetes.io/arch": "amd64", "nvidia.com/gpu.present": "true", "nvidia.com/gpu.count": str(spec.gpus),
@@ -330,9 +388,11 @@ def kwok_node(spec: SimNodeSpec, scenario: str, product: str | None = None) -> d
         labels[RACK_LABEL] = spec.rack
     labels.update(spec.labels)
     resources = {"cpu": "192", "memory": "2064Gi", "pods": "110", "nvidia.com/gpu": str(spec.gpus)}
+    advertised = advertised or {}
     return {
         "apiVersion": "v1", "kind": "Node",
         "metadata": {"name": spec.name, "labels": labels, "annotations": {KWOK_ANNOTATION: "fake"}},
         "spec": {"taints": [dict(KWOK_TAINT)]},
-        "status": {"capacity": dict(resources), "allocatable": dict(resources)},
+        "status": {"capacity": {**resources, **advertised.get("capacity", {})},
+                   "allocatable": {**resources, **advertised.get("allocatable", {})}},
     }

@@ -56,8 +56,9 @@ def manifest_files() -> list[Path]:
 
 
 # Custom resources: kubernetes-validate has no schema for them; test_deploy_render.py and
-# test_monitoring.py check them, and test_remediation.py the NodeHealthCheck against medik8s' CRD.
-CUSTOM_KINDS = {"PodMonitor", "PrometheusRule", "NodeHealthCheck"}
+# test_monitoring.py check them, test_remediation.py the NodeHealthCheck against medik8s' CRD, and
+# test_readiness.py the NodeReadinessRule against the Node Readiness Controller's.
+CUSTOM_KINDS = {"PodMonitor", "PrometheusRule", "NodeHealthCheck", "NodeReadinessRule"}
 
 
 def documents(path: Path) -> list[dict]:
@@ -129,7 +130,7 @@ def test_deploy_has_the_expected_manifests():
         ("ClusterRoleBinding", "gpu-npd-simulator"), ("ConfigMap", "gpu-npd-fleet"),
         ("StatefulSet", "gpu-npd-simulator"), ("Service", "gpu-npd-simulator"), ("Node", "kwok-gpu-manual-0"), ("Node", "kwok-gpu-manual-1"),
         ("ClusterRole", "gpu-npd-dra-taints"), ("ClusterRoleBinding", "gpu-npd-dra-taints"),
-        ("NodeHealthCheck", "gpu-npd"),
+        ("NodeHealthCheck", "gpu-npd"), ("NodeReadinessRule", "gpu-npd"),
     }
 
 
@@ -155,7 +156,7 @@ def test_schema_validation_is_strict_and_offline(daemonset):
 
 
 def test_namespaced_objects_live_in_the_gpu_npd_namespace():
-    cluster_scoped = {"Namespace", "ClusterRole", "ClusterRoleBinding", "Node", "NodeHealthCheck"}
+    cluster_scoped = {"Namespace", "ClusterRole", "ClusterRoleBinding", "Node", "NodeHealthCheck", "NodeReadinessRule"}
     for path, _, doc in ALL_DOCS:
         namespace = doc["metadata"].get("namespace")
         if doc["kind"] in cluster_scoped:

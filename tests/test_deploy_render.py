@@ -171,10 +171,11 @@ def copy_of_deploy(tmp_path: Path) -> Path:
 def test_every_variant_is_covered():
     """A new overlay is rendered and validated below without being named; naming the DaemonSet ones
     here makes its Pod Security level and node selection a decision, not an accident. deploy/monitoring
-    holds no pods (alerts and a dashboard: tests/test_monitoring.py), nor does deploy/remediation (a
-    NodeHealthCheck: tests/test_remediation.py)."""
+    holds no pods (alerts and a dashboard: tests/test_monitoring.py), nor do deploy/remediation (a
+    NodeHealthCheck: tests/test_remediation.py) and deploy/readiness (a NodeReadinessRule:
+    tests/test_readiness.py)."""
     names = {name_of(v) for v in VARIANTS}
-    expected = set(DAEMON_VARIANTS) | set(PREFLIGHTS) | {"kwok", "monitoring", "remediation"}
+    expected = set(DAEMON_VARIANTS) | set(PREFLIGHTS) | {"kwok", "monitoring", "remediation", "readiness"}
     assert names == expected, f"new or missing kustomizations: {sorted(names ^ expected)}"
 
 
@@ -215,7 +216,7 @@ def test_strict_validation_rejects_a_misspelt_field(kubectl):
 
 @pytest.mark.parametrize("directory", VARIANTS, ids=name_of)
 def test_rendered_objects_live_in_the_gpu_npd_namespace_and_nothing_local_leaks(kubectl, directory):
-    cluster_scoped = {"Namespace", "ClusterRole", "ClusterRoleBinding", "Node", "NodeHealthCheck"}
+    cluster_scoped = {"Namespace", "ClusterRole", "ClusterRoleBinding", "Node", "NodeHealthCheck", "NodeReadinessRule"}
     for doc in render(kubectl, directory):
         where = f"{doc['kind']}/{doc['metadata']['name']}"
         if doc["kind"] in cluster_scoped:
@@ -659,9 +660,11 @@ def test_preflight_container_exits_with_diagnose_s_code(kubectl, preflight):
 
 # --- PodMonitor (Prometheus Operator)
 
-# NodeHealthCheck (deploy/remediation): validated against medik8s' CRD in tests/test_remediation.py.
+# NodeHealthCheck (deploy/remediation): validated against medik8s' CRD in tests/test_remediation.py;
+# NodeReadinessRule (deploy/readiness): against the Node Readiness Controller's in tests/test_readiness.py.
 CUSTOM_RESOURCES = {"PodMonitor": "monitoring.coreos.com/v1", "PrometheusRule": "monitoring.coreos.com/v1",
-                    "NodeHealthCheck": "remediation.medik8s.io/v1alpha1"}
+                    "NodeHealthCheck": "remediation.medik8s.io/v1alpha1",
+                    "NodeReadinessRule": "readiness.node.x-k8s.io/v1alpha1"}
 # monitoring.coreos.com/v1 PodMonitor: the fields this project may use, so a misspelt one fails here
 # as it would against the CRD's schema.
 PODMONITOR_SPEC_FIELDS = {"selector", "namespaceSelector", "podMetricsEndpoints", "jobLabel", "podTargetLabels",

@@ -157,7 +157,8 @@ def test_pcie_generation_is_judged_only_while_busy(registry):
 
 def test_no_driver_is_one_driver_problem_not_eight(registry):
     out = diagnose_scenario("h100-sxm-8-no-driver", registry)
-    assert out.rules() == {"nvml-unavailable", "node-wide-problem"}      # and so the node needs remediation
+    assert out.rules() == {"nvml-unavailable", "node-wide-problem",      # and so the node needs remediation,
+                           "node-remediation-requested"}                 # and is not verified for work
     assert "DriverNotLoaded" in out.problems[0].message
     assert "while 8 NVIDIA GPUs are on the PCI bus" in out.problems[0].message
 
@@ -173,12 +174,12 @@ def test_hung_nvml_call_names_the_wedged_gpu_and_does_not_stall(registry):
 
 def test_hung_nvidia_smi_is_a_finding(registry):
     out = diagnose_scenario("h100-sxm-8-smi-hang", registry, settings={"visibility": {"smi_timeout": 0.2}})
-    assert out.rules() == {"nvidia-smi-hung", "node-wide-problem"}
+    assert out.rules() == {"nvidia-smi-hung", "node-wide-problem", "node-remediation-requested"}
 
 
 def test_expected_gpu_count_from_config(registry):
     out = diagnose_scenario("h100-sxm-8", registry, settings={"visibility": {"expected_gpus": 9}})
-    assert out.rules() == {"gpu-count-below-expected", "node-wide-problem"}
+    assert out.rules() == {"gpu-count-below-expected", "node-wide-problem", "node-remediation-requested"}
     assert "only 8 of 9 expected GPUs" in out.problems[0].message
 
 

@@ -18,6 +18,7 @@ from detector.core.types import GpuRef
 from detector.daemon.local import SERVICE_ACCOUNT, LocalDaemon
 from detector.kube.annotations import UNHEALTHY_GPUS, unhealthy_gpus_annotation
 from detector.kube.api import ApiError, KubeApi
+from detector.kube.stamps import parse_rfc3339
 from fake_nvml.faults import Fault
 from kube_emulator import Emulator
 from test_daemon_e2e import emulator, fast_settings, running, settled, status  # noqa: F401 - fixtures
@@ -247,18 +248,22 @@ def test_a_failed_gpu_is_annotated_and_the_annotation_goes_when_it_recovers(emul
     assert UNHEALTHY_GPUS not in annotations(emulator) and annotation_values(bodies) == []   # never had it
 
     gpu3 = local.node.snapshot().gpus[3]
+    injected = time.time()
     local.node.inject(Fault("xid", gpu=3, params={"code": 79}))
     assert local.wait_for(lambda: unhealthy(emulator) is not None), annotations(emulator)
     assert local.wait_for(lambda: status(local, "GpuXidError") == "True")
     first = json.loads(annotation_values(bodies)[0])
-    assert first == [{"index": 3, "pciBusId": "0000:5d:00.0", "uuid": gpu3.uuid, "state": "failed",
-                      "action": "RESTART_BM"}]
+    since = first[0].pop("since")
+    assert first == [{"index": 3, "pciBusId": "0000:5d:00.0", "uuid": gpu3.uuid, "serial": gpu3.serial,
+                      "state": "failed", "action": "RESTART_BM"}]
+    assert int(injected) <= parse_rfc3339(since) <= time.time()      # when it failed, to the second
     assert {k: v for k, v in annotations(emulator).items() if k != UNHEALTHY_GPUS} == OTHER_ANNOTATIONS
 
     quiet(bodies)                                                   # the value settled: heartbeats only now
     before, value = len(bodies), annotations(emulator)[UNHEALTHY_GPUS]
     assert [{k: v for k, v in g.items() if k != "uuid"} for g in json.loads(value)] == [
-        {"index": 3, "pciBusId": "0000:5d:00.0", "state": "failed", "action": "RESTART_BM"}]
+        {"index": 3, "pciBusId": "0000:5d:00.0", "serial": gpu3.serial, "state": "failed", "action": "RESTART_BM",
+         "since": since}]                                           # the same since: the state did not change
     time.sleep(1.5)
     heartbeats = bodies[before:]
     assert len(heartbeats) >= 3 and all("metadata" not in b for b in heartbeats), annotation_values(bodies)

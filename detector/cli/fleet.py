@@ -103,7 +103,7 @@ def render_fleet(view: FleetView) -> str:
 
     rows = [("NODE", "GPU", "BUS ID", "UUID", "SERIAL", "STATE", "ACTION/REASON", "SINCE", "STATUS", "TAINTS")]
     for node in view.nodes:
-        tail = (node.status, ", ".join(str(t) for t in node.taints) or "-")
+        tail = (node.status, ",".join(str(t) for t in node.taints) or "-")
         for g in node.unhealthy:
             rows.append((node.name, "-" if g.index is None else str(g.index), g.pci_bus_id or "-", g.uuid or "-",
                          g.serial or "-", g.state, g.action or "-", g.since or "-", *tail))

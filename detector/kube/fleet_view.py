@@ -150,8 +150,8 @@ def read_fleet(api: KubeApi, owned_types: Iterable[str] = (), label_selector: st
     each. `owned_types`: gpu-npd's condition types (the rules'), beside those its MARKER shows. A node
     listed by a selector is a GPU node; without one, a node is when it has a GPU label the DaemonSet
     selects by, or anything gpu-npd writes. Raises ApiError when the list fails."""
-    owned = frozenset(owned_types)
-    for attempt in range(_RESTARTS + 1):
+    owned, restarts = frozenset(owned_types), 0
+    while True:
         view, token = FleetView(), ""
         try:
             while True:
@@ -165,14 +165,12 @@ def read_fleet(api: KubeApi, owned_types: Iterable[str] = (), label_selector: st
                         view.add(node, keep_all)
                 token = (page.get("metadata") or {}).get("continue") or ""
                 if not token:
-                    break
+                    view.nodes.sort(key=lambda n: n.name)
+                    return view
         except ApiError as e:
-            if e.status == 410 and token and attempt < _RESTARTS:     # the list's snapshot expired
-                continue
-            raise
-        view.nodes.sort(key=lambda n: n.name)
-        return view
-    raise AssertionError("unreachable")
+            if e.status != 410 or not token or restarts >= _RESTARTS:     # 410: the list's snapshot expired
+                raise
+            restarts += 1
 
 
 def fleet_node(node: Mapping[str, Any], owned_types: frozenset[str], now: float, stale_after_s: float,

@@ -131,6 +131,7 @@ def test_deploy_has_the_expected_manifests():
         ("StatefulSet", "gpu-npd-simulator"), ("Service", "gpu-npd-simulator"), ("Node", "kwok-gpu-manual-0"), ("Node", "kwok-gpu-manual-1"),
         ("ClusterRole", "gpu-npd-dra-taints"), ("ClusterRoleBinding", "gpu-npd-dra-taints"),
         ("NodeHealthCheck", "gpu-npd"), ("NodeReadinessRule", "gpu-npd"),
+        ("ClusterRole", "gpu-npd-fleet-viewer"), ("ClusterRoleBinding", "gpu-npd-fleet-viewer"),
     }
 
 

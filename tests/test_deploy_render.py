@@ -172,10 +172,12 @@ def test_every_variant_is_covered():
     """A new overlay is rendered and validated below without being named; naming the DaemonSet ones
     here makes its Pod Security level and node selection a decision, not an accident. deploy/monitoring
     holds no pods (alerts and a dashboard: tests/test_monitoring.py), nor do deploy/remediation (a
-    NodeHealthCheck: tests/test_remediation.py) and deploy/readiness (a NodeReadinessRule:
-    tests/test_readiness.py)."""
+    NodeHealthCheck: tests/test_remediation.py), deploy/readiness (a NodeReadinessRule:
+    tests/test_readiness.py) and deploy/fleet-viewer (read-only RBAC for `gpu-npd fleet`:
+    tests/test_fleet_cli.py)."""
     names = {name_of(v) for v in VARIANTS}
-    expected = set(DAEMON_VARIANTS) | set(PREFLIGHTS) | {"kwok", "monitoring", "remediation", "readiness"}
+    expected = set(DAEMON_VARIANTS) | set(PREFLIGHTS) | {"kwok", "monitoring", "remediation", "readiness",
+                                                         "fleet-viewer"}
     assert names == expected, f"new or missing kustomizations: {sorted(names ^ expected)}"
 
 

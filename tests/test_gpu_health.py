@@ -9,7 +9,7 @@ from detector.agent.metrics import AgentMetrics
 from detector.cli.main import builtin_rules_dir
 from detector.config import build_checks
 from detector.core.check import CheckRegistry
-from detector.core.gpu_health import DEGRADED, FAILED, HEALTHY, gpu_health
+from detector.core.gpu_health import DEGRADED, FAILED, HEALTHY, carry_since, gpu_health, gpu_key
 from detector.core.types import GpuRef, Problem, Severity
 from detector.rules.loader import load_rules
 from fake_nvml.faults import Fault
@@ -135,3 +135,41 @@ def test_a_lost_gpu_keeps_the_uuid_a_held_problem_knows():
     lost = GpuRef(1, None, "0000:2a:00.0")
     [h0, h1] = gpu_health([GPU0, lost], [problem("Xid79GpuFellOffBus", Severity.CRITICAL, "RESTART_BM", GPU1)])
     assert h1.gpu == GPU1 and h1.state == FAILED and h0.gpu == GPU0
+
+
+def test_since_is_the_first_match_of_the_problems_of_its_state_and_holds_while_the_state_does():
+    warning = problem("PcieLinkWidthDegraded", Severity.WARNING, "CHECK_PCIE", GPU0)
+    xid = problem("Xid79", Severity.CRITICAL, "RESTART_BM", GPU0)
+    missing = problem("GpuFellOffBus", Severity.CRITICAL, "RESTART_BM", GPU0)
+    first = {warning: 100.0, xid: 200.0, missing: 250.0}
+    [degraded] = gpu_health([GPU0], [warning], first)
+    assert (degraded.state, degraded.since) == (DEGRADED, 100.0)
+    [failed] = gpu_health([GPU0], [warning, xid, missing], first)
+    assert (failed.state, failed.since) == (FAILED, 200.0)          # failed since its first critical problem
+    assert gpu_health([GPU0], [xid])[0].since is None                # no start known: none said
+
+    before = {gpu_key(failed.gpu): failed}
+    [still] = carry_since(gpu_health([GPU0], [warning, missing], first), before)
+    assert (still.state, still.since) == (FAILED, 200.0)             # the XID ended, the outage did not
+    [better] = carry_since(gpu_health([GPU0], [warning], first), before)
+    assert (better.state, better.since) == (DEGRADED, 100.0)         # a new state: its own since
+
+
+def test_the_agent_gives_each_unhealthy_gpu_its_serial_and_a_since_that_does_not_move(registry):
+    clock = Clock(1000.0)
+    node = node_for("h100-sxm-8")
+    host = fake_host(node)
+    ruleset = load_rules([builtin_rules_dir()], registry.fields_by_check())
+    agent = NodeAgent(host, build_checks(registry, ["visibility", "xid"], {}), ruleset, clock=clock,
+                      settings=AgentSettings(start_spread_s=0.0))
+    agent.run(agent.checks)
+    gpu3 = node.snapshot().gpus[3]
+    node.inject(Fault("xid", gpu=3, params={"code": 79}))
+    clock.now = 1010.0
+    agent.run(agent.checks)
+    [failed] = [h for h in agent.gpu_health() if h.state != HEALTHY]
+    assert (failed.gpu.index, failed.serial, failed.since) == (3, gpu3.serial, 1010.0)
+    clock.now = 1100.0
+    agent.run(agent.checks)
+    [again] = [h for h in agent.gpu_health() if h.state != HEALTHY]
+    assert again.since == 1010.0

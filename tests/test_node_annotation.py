@@ -16,8 +16,9 @@ from conftest import Clock
 from detector.core.gpu_health import DEGRADED, FAILED, HEALTHY, GpuHealth
 from detector.core.types import GpuRef
 from detector.daemon.local import SERVICE_ACCOUNT, LocalDaemon
-from detector.kube.annotations import UNHEALTHY_GPUS, unhealthy_gpus_annotation
+from detector.kube.annotations import UNHEALTHY_GPUS, read_unhealthy_gpus, unhealthy_gpus_annotation
 from detector.kube.api import ApiError, KubeApi
+from detector.kube.stamps import parse_rfc3339
 from fake_nvml.faults import Fault
 from kube_emulator import Emulator
 from test_daemon_e2e import emulator, fast_settings, running, settled, status  # noqa: F401 - fixtures
@@ -57,6 +58,29 @@ def test_value_lists_only_unhealthy_gpus_sorted_compact():
 def test_no_unhealthy_gpu_no_value():
     assert unhealthy_gpus_annotation([]) is None
     assert unhealthy_gpus_annotation([gpu(0, HEALTHY), gpu(1, HEALTHY)]) is None
+
+
+def test_serial_and_since_are_written_and_a_restart_keeps_the_serial_the_node_remembers():
+    known = GpuHealth(GpuRef(3, "GPU-3", "0000:5d:00.0"), FAILED, "RESTART_BM", serial="1650566906417",
+                      since=1_700_000_000.4)
+    value = unhealthy_gpus_annotation([known])
+    assert value == ('[{"index":3,"pciBusId":"0000:5d:00.0","uuid":"GPU-3","serial":"1650566906417",'
+                     '"state":"failed","action":"RESTART_BM","since":"2023-11-14T22:13:20Z"}]')
+    lost = GpuHealth(GpuRef(3, "GPU-3", "0000:5d:00.0"), FAILED, "RESTART_BM", since=1_700_000_000.0)
+    assert unhealthy_gpus_annotation([lost], value) == value                  # NVML cannot read it any more
+    other_board = GpuHealth(GpuRef(3, "GPU-new", "0000:5d:00.0"), FAILED, "RESTART_BM")
+    assert "serial" not in unhealthy_gpus_annotation([other_board], value)    # a swapped board is not the same
+    assert unhealthy_gpus_annotation([lost], "not json") == unhealthy_gpus_annotation([lost])
+
+
+def test_old_and_new_values_read_back():
+    old = read_unhealthy_gpus('[{"index":2,"pciBusId":"0000:3a:00.0","state":"degraded","action":"RESET_GPU"}]')
+    assert [g.to_dict() for g in old] == [{"index": 2, "pciBusId": "0000:3a:00.0", "uuid": None, "serial": None,
+                                           "state": "degraded", "action": "RESET_GPU", "since": None}]
+    assert read_unhealthy_gpus(None) == [] and read_unhealthy_gpus("") == []
+    for junk in ("{", '{"index": 1}', "[1, 2]"):
+        with pytest.raises(ValueError, match="unhealthy-gpus"):
+            read_unhealthy_gpus(junk)
 
 
 # -- in the status PATCH (scripted API) ---------------------------------------------------------------
@@ -247,18 +271,22 @@ def test_a_failed_gpu_is_annotated_and_the_annotation_goes_when_it_recovers(emul
     assert UNHEALTHY_GPUS not in annotations(emulator) and annotation_values(bodies) == []   # never had it
 
     gpu3 = local.node.snapshot().gpus[3]
+    injected = time.time()
     local.node.inject(Fault("xid", gpu=3, params={"code": 79}))
     assert local.wait_for(lambda: unhealthy(emulator) is not None), annotations(emulator)
     assert local.wait_for(lambda: status(local, "GpuXidError") == "True")
     first = json.loads(annotation_values(bodies)[0])
-    assert first == [{"index": 3, "pciBusId": "0000:5d:00.0", "uuid": gpu3.uuid, "state": "failed",
-                      "action": "RESTART_BM"}]
+    since = first[0].pop("since")
+    assert first == [{"index": 3, "pciBusId": "0000:5d:00.0", "uuid": gpu3.uuid, "serial": gpu3.serial,
+                      "state": "failed", "action": "RESTART_BM"}]
+    assert int(injected) <= parse_rfc3339(since) <= time.time()      # when it failed, to the second
     assert {k: v for k, v in annotations(emulator).items() if k != UNHEALTHY_GPUS} == OTHER_ANNOTATIONS
 
     quiet(bodies)                                                   # the value settled: heartbeats only now
     before, value = len(bodies), annotations(emulator)[UNHEALTHY_GPUS]
     assert [{k: v for k, v in g.items() if k != "uuid"} for g in json.loads(value)] == [
-        {"index": 3, "pciBusId": "0000:5d:00.0", "state": "failed", "action": "RESTART_BM"}]
+        {"index": 3, "pciBusId": "0000:5d:00.0", "serial": gpu3.serial, "state": "failed", "action": "RESTART_BM",
+         "since": since}]                                           # the same since: the state did not change
     time.sleep(1.5)
     heartbeats = bodies[before:]
     assert len(heartbeats) >= 3 and all("metadata" not in b for b in heartbeats), annotation_values(bodies)

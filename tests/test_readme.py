@@ -56,6 +56,7 @@ EXCLUDED: list[tuple[str, str]] = [
     (r"^gpu-npd (diagnose|run)\b(?!.*--nvml (fake|replay):)(?!.*--kernel-log)",
      "real NVML (the default `--nvml real`): needs an NVIDIA GPU and driver"),
     (r"^gpu-npd simulate\b(?!.*--emulator)", "plays KWOK nodes on a real cluster (no --emulator)"),
+    (r"^gpu-npd fleet\b(?!.*--kubeconfig)", "lists a real cluster's nodes ($KUBECONFIG or ~/.kube/config)"),
 ]
 
 # Programs a command may run here (each stage of a pipeline, after VAR=value assignments).
@@ -173,6 +174,9 @@ RUN: dict[str, Spec] = {
     ".venv/bin/python bench/fleet.py --nodes 30000 --shards 4": Spec(
         subst=(("--nodes 30000", "--nodes 12"),), append="--start-spread 1 --settle 1 --steady 1 --fault-timeout 60",
         why=SCALED, timeout=120),
+    "gpu-npd fleet --kubeconfig kc.yaml --context admin": Spec(
+        expect=r"^nothing is wrong: 0 GPU nodes", why="the emulator the block started: gpu-17 has no GPU label"),
+    ".venv/bin/python bench/fleet_view.py": Spec(append="--nodes 300 --runs 1", why=SCALED, timeout=60),
     ".venv/bin/python bench/flood.py": Spec(append="--lines 3000 --xid-every 500", why=SCALED, timeout=120),
 }
 

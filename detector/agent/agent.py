@@ -19,7 +19,7 @@ from typing import Callable, Iterable, Sequence
 
 from detector.agent.active import ActiveProblems, ConditionStatus, Latch
 from detector.core.check import Check
-from detector.core.gpu_health import APPLICATION_ACTIONS, GpuHealth, fuller, gpu_health, gpu_key
+from detector.core.gpu_health import APPLICATION_ACTIONS, GpuHealth, carry_since, fuller, gpu_health, gpu_key
 from detector.core.inventory import Inventory
 from detector.core.nodecheck import NodeCheck, NodeView, judge_node
 from detector.core.nodestatus import MAINTENANCE_ANNOTATION
@@ -102,6 +102,7 @@ class NodeAgent:
         self._known_gpus: dict[str, GpuRef] = {}   # every GPU seen: one lost from NVML keeps its row
         self._serials: dict[str, str] = {}         # gpu_key -> serial, for histories kept by serial
         self._incidents: dict[str, int] = {}       # gpu_key -> incidents, from the node check
+        self._health: dict[str, GpuHealth] = {}    # gpu_key -> the GPU as last judged: its state's since
         self._lock = threading.Lock()          # the schedule
         self._judging = threading.Lock()       # what runs concluded: held problems, sinks
         self.warnings: list[str] = []
@@ -224,14 +225,19 @@ class NodeAgent:
                 self._known_gpus[ref.pci_bus_id] = fuller(before, ref) if before else ref
 
     def gpu_health(self) -> list[GpuHealth]:
-        """Each GPU's state from the problems held now (conditions, not one-off events), and its incidents."""
+        """Each GPU's state from the problems held now (conditions, not one-off events), since when, its
+        serial and its incidents; `verifying` where only a cure being verified keeps it unhealthy."""
         latches = list(self.active.latches.values())
-        health = gpu_health(self._known_gpus.values(), (l.problem for l in latches))
+        health = gpu_health(self._known_gpus.values(), (l.problem for l in latches),
+                            {l.problem: l.first for l in latches})
         if any(l.verifying for l in latches):
             live = {gpu_key(h.gpu): h.state for h in
                     gpu_health(self._known_gpus.values(), (l.problem for l in latches if not l.verifying))}
             health = [replace(h, verifying=live.get(gpu_key(h.gpu)) != h.state) for h in health]
-        return [replace(h, incidents=self._incidents.get(gpu_key(h.gpu), 0)) for h in health]
+        health = carry_since([replace(h, incidents=self._incidents.get(gpu_key(h.gpu), 0),
+                                      serial=self._serials.get(gpu_key(h.gpu), "")) for h in health], self._health)
+        self._health = {gpu_key(h.gpu): h for h in health}
+        return health
 
     def _ran_in(self, boot: str) -> set[str]:
         """The scheduled checks that have run (not skipped) in `boot`: a fake node's reboot starts afresh."""

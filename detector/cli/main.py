@@ -45,6 +45,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return EXIT_USAGE
+    return run_command(args)
+
+
+def run_command(args: argparse.Namespace) -> int:
+    """Run a parsed command: a usage error is one line and exit code 2, Ctrl-C ends it quietly."""
     in_main_thread = threading.current_thread() is threading.main_thread()
     previous = on_stop_signals() if in_main_thread else {}   # long-running commands install their own
     try:
@@ -134,11 +139,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     from detector.cli.daemon import add_daemon_parsers
     from detector.cli.demo import add_demo_parser
+    from detector.cli.fleet import add_fleet_parser
     from detector.cli.simulate import add_simulate_parser
 
     add_daemon_parsers(sub)
     add_demo_parser(sub)
     add_simulate_parser(sub)
+    add_fleet_parser(sub)
     return parser
 
 

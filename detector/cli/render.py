@@ -80,7 +80,7 @@ def render_table(d: Diagnosis) -> str:
         rows.append(("-", "-", bus, ref.uuid or "-", "-", "-", _health_cell(health.get(gpu_key(ref))),
                      ",".join(reasons.get(bus, [])) or "NotSeenByNvml"))
     if len(rows) > 1:
-        lines += ["", *_columns(rows)]
+        lines += ["", *columns(rows)]
     lines += ["", "checks: " + ", ".join(
         f"{r.name} {r.status} ({r.duration_ms:.0f} ms)" + (f": {r.error}" if r.error else "") for r in d.sweep.runs)]
     lines += [f"{r.name}: {r.summary}" for r in d.sweep.runs if r.summary]
@@ -130,6 +130,7 @@ def _badge(severity: Severity) -> str:
     return f"{severity.value.upper():<8}"
 
 
-def _columns(rows: list[tuple[str, ...]]) -> list[str]:
+def columns(rows: list[tuple[str, ...]]) -> list[str]:
+    """Rows as left-aligned columns two spaces apart, the first row being the header."""
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]

@@ -6,12 +6,15 @@ Informational problems leave a GPU healthy, and so do problems whose recommended
 application's (RESTART_APP: an XID 13, 31 or 43 from a user's kernel): a GPU is never degraded, tainted or
 counted towards remediation because one program faulted on it. Problems that name no GPU (the driver is
 not loaded, NVML hangs) are the node's, shown by its conditions, and are not spread over its GPUs.
+
+`since` is when a GPU entered its state: the first match of the problems that put it there, kept while the
+state holds (`carry_since`), so it names the start of an outage and moves only when the state changes.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Iterable
+from dataclasses import dataclass, replace
+from typing import Iterable, Mapping
 
 from detector.core.types import GpuRef, Problem, Severity, action_strength
 
@@ -30,6 +33,8 @@ class GpuHealth:
     incidents: int = 0               # its incidents in the node check's flaky window (where it keeps history)
     verifying: bool = False          # unhealthy only by problems whose cure is being verified: still fenced,
                                      # but no reason to remediate the node again (the cure already happened)
+    serial: str = ""                 # the board's serial where known: what an RMA ticket names
+    since: float | None = None       # when it entered this state (unhealthy GPUs whose problems' start is known)
 
 
 def gpu_key(ref: GpuRef) -> str:
@@ -37,9 +42,11 @@ def gpu_key(ref: GpuRef) -> str:
     return ref.pci_bus_id or ref.uuid or ("" if ref.index is None else f"index:{ref.index}")
 
 
-def gpu_health(gpus: Iterable[GpuRef], problems: Iterable[Problem]) -> list[GpuHealth]:
+def gpu_health(gpus: Iterable[GpuRef], problems: Iterable[Problem],
+               first_seen: Mapping[Problem, float] | None = None) -> list[GpuHealth]:
     """Every GPU in `gpus` (those known to be there), plus any GPU a problem names that is not among
-    them (a GPU lost from NVML), each judged by the problems naming it. Sorted by index, then bus id."""
+    them (a GPU lost from NVML), each judged by the problems naming it. Sorted by index, then bus id.
+    `first_seen`: when each held problem first matched, which dates an unhealthy GPU's state."""
     refs: dict[str, GpuRef] = {}
     for ref in gpus:
         if key := gpu_key(ref):
@@ -51,7 +58,7 @@ def gpu_health(gpus: Iterable[GpuRef], problems: Iterable[Problem]) -> list[GpuH
             if key:
                 refs[key] = fuller(refs[key], ref) if key in refs else ref
                 naming.setdefault(key, []).append(problem)
-    return sorted((_judge(refs[key], naming.get(key, [])) for key in refs),
+    return sorted((_judge(refs[key], naming.get(key, []), first_seen or {}) for key in refs),
                   key=lambda h: (h.gpu.index is None, h.gpu.index or 0, h.gpu.pci_bus_id or ""))
 
 
@@ -73,11 +80,25 @@ def fuller(known: GpuRef, other: GpuRef) -> GpuRef:
                   known.pci_bus_id or other.pci_bus_id)
 
 
-def _judge(ref: GpuRef, problems: list[Problem]) -> GpuHealth:
+def _judge(ref: GpuRef, problems: list[Problem], first_seen: Mapping[Problem, float]) -> GpuHealth:
     serious = sorted((p for p in problems if p.severity in _BY_SEVERITY and p.action not in APPLICATION_ACTIONS),
                      key=lambda p: (-action_strength(p.action), -p.severity.rank, p.reason))
     if not serious:
         return GpuHealth(ref, HEALTHY, "NONE")
     reasons = tuple(dict.fromkeys(p.reason for p in serious))
     worst = max(serious, key=lambda p: p.severity.rank)
-    return GpuHealth(ref, _BY_SEVERITY[worst.severity], serious[0].action, reasons)
+    state = _BY_SEVERITY[worst.severity]
+    since = min((first_seen[p] for p in serious if p in first_seen and _BY_SEVERITY[p.severity] == state),
+                default=None)
+    return GpuHealth(ref, state, serious[0].action, reasons, since=since)
+
+
+def carry_since(health: Iterable[GpuHealth], before: Mapping[str, GpuHealth]) -> list[GpuHealth]:
+    """A GPU still in the state it was in keeps the `since` it had (by gpu_key): one problem ending while
+    another holds the GPU failed does not move the start of its outage."""
+    kept = []
+    for h in health:
+        old = before.get(gpu_key(h.gpu))
+        same = old is not None and old.state == h.state and h.state != HEALTHY and old.since is not None
+        kept.append(replace(h, since=old.since) if same else h)
+    return kept

@@ -1,33 +1,95 @@
 """The node annotation that lists the node's unhealthy GPUs, for people and tools that read node objects.
 
-    gpu-npd.io/unhealthy-gpus: '[{"index":3,"pciBusId":"0000:5d:00.0","uuid":"GPU-8fb2…","state":"failed",
-                                  "action":"RESTART_BM"}]'        (one line, no spaces)
+    gpu-npd.io/unhealthy-gpus: '[{"index":3,"pciBusId":"0000:5d:00.0","uuid":"GPU-8fb2…","serial":"1650…",
+                                  "state":"failed","action":"RESTART_BM","since":"2026-03-02T10:41:07Z"}]'
+                                                                  (one line, no spaces)
 
 One compact JSON object per GPU that is not healthy, sorted by index then bus id; no annotation at all
 when every GPU is healthy. It rides in the same status PATCH as the node's conditions (conditions.py).
+`since` is when the GPU entered its state, to the second, and moves only when the state does, so the
+value changes only when a GPU's state, action or identity does: no PATCH per sweep. `serial` and `since`
+came later than the other keys: readers (`gpu-npd fleet`, `read_unhealthy_gpus`) take values without them.
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Any, Iterable
 
 from detector.core.domain import key
 from detector.core.gpu_health import HEALTHY, GpuHealth
+from detector.kube.stamps import rfc3339
 
 UNHEALTHY_GPUS = key("unhealthy-gpus")
 
 
-def unhealthy_gpus_annotation(health: Iterable[GpuHealth]) -> str | None:
-    """The annotation's value for these GPUs; None when none is unhealthy (the annotation goes)."""
+def unhealthy_gpus_annotation(health: Iterable[GpuHealth], before: str | None = None) -> str | None:
+    """The annotation's value for these GPUs; None when none is unhealthy (the annotation goes).
+    `before`, the value on the node, lends its serials to GPUs whose serial is not known now: a daemon
+    restarted after a GPU fell off the bus cannot read that GPU's serial from NVML any more."""
     bad = sorted((h for h in health if h.state != HEALTHY),
                  key=lambda h: (h.gpu.index is None, h.gpu.index or 0, h.gpu.pci_bus_id or ""))
     if not bad:
         return None
-    return json.dumps([_entry(h) for h in bad], separators=(",", ":"))
+    try:
+        known = [g for g in read_unhealthy_gpus(before) if g.serial]
+    except ValueError:
+        known = []
+    return json.dumps([_entry(h, _serial(h, known)) for h in bad], separators=(",", ":"))
 
 
-def _entry(h: GpuHealth) -> dict[str, Any]:
-    fields = {"index": h.gpu.index, "pciBusId": h.gpu.pci_bus_id, "uuid": h.gpu.uuid, "state": h.state,
-              "action": h.action}
+def _serial(h: GpuHealth, known: list["UnhealthyGpu"]) -> str:
+    """Its serial, else the one written for the same board (same bus id, and the same UUID where both
+    have one)."""
+    if h.serial or not h.gpu.pci_bus_id:
+        return h.serial
+    return next((g.serial or "" for g in known if g.pci_bus_id == h.gpu.pci_bus_id
+                 and (not g.uuid or not h.gpu.uuid or g.uuid == h.gpu.uuid)), "")
+
+
+def _entry(h: GpuHealth, serial: str) -> dict[str, Any]:
+    fields = {"index": h.gpu.index, "pciBusId": h.gpu.pci_bus_id, "uuid": h.gpu.uuid, "serial": serial,
+              "state": h.state, "action": h.action, "since": rfc3339(h.since) if h.since is not None else None}
     return {k: v for k, v in fields.items() if v not in (None, "")}      # an unknown id is left out
+
+
+@dataclass(frozen=True)
+class UnhealthyGpu:
+    """One entry of the annotation as read back; what the writer did not know (or an older gpu-npd did not
+    write) is None."""
+
+    index: int | None
+    pci_bus_id: str | None
+    uuid: str | None
+    serial: str | None
+    state: str
+    action: str | None
+    since: str | None           # RFC 3339, as written
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"index": self.index, "pciBusId": self.pci_bus_id, "uuid": self.uuid, "serial": self.serial,
+                "state": self.state, "action": self.action, "since": self.since}
+
+
+def read_unhealthy_gpus(value: str | None) -> list[UnhealthyGpu]:
+    """The annotation's GPUs; ValueError when the value is not what gpu-npd writes."""
+    if not value:
+        return []
+    try:
+        entries = json.loads(value)
+    except ValueError as e:
+        raise ValueError(f"{UNHEALTHY_GPUS} is not JSON: {e}") from None
+    if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
+        raise ValueError(f"{UNHEALTHY_GPUS} is not a JSON list of objects")
+    return [UnhealthyGpu(_int(e.get("index")), _str(e.get("pciBusId")), _str(e.get("uuid")), _str(e.get("serial")),
+                         _str(e.get("state")) or "unknown", _str(e.get("action")), _str(e.get("since")))
+            for e in entries]
+
+
+def _str(value: Any) -> str | None:
+    return str(value) if value not in (None, "") else None
+
+
+def _int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None

@@ -83,9 +83,9 @@ class KubeApi:
         self._sleep = sleep
 
     @classmethod
-    def from_kubeconfig(cls, kubeconfig: str | None, **kwargs: Any) -> "KubeApi":
+    def from_kubeconfig(cls, kubeconfig: str | None, context: str | None = None, **kwargs: Any) -> "KubeApi":
         """Raises ConfigError with a clear message when there is no usable configuration."""
-        return cls(load_connection(kubeconfig), **kwargs)
+        return cls(load_connection(kubeconfig, context), **kwargs)
 
     def get_node(self, name: str) -> dict[str, Any]:
         return self._call("get", "nodes", "GET", f"/api/v1/nodes/{quote(name)}", name=name)
@@ -98,6 +98,13 @@ class KubeApi:
         """The NodeList itself: its metadata.resourceVersion is where a watch of the same nodes starts."""
         query = f"?labelSelector={quote(label_selector)}" if label_selector else ""
         return self._call("list", "nodes", "GET", f"/api/v1/nodes{query}")
+
+    def list_node_page(self, label_selector: str = "", limit: int = 500, continue_token: str = "") -> dict[str, Any]:
+        """One page of a chunked LIST (`gpu-npd fleet`): at most `limit` nodes, and metadata.continue when
+        more follow (a 410 Gone when that token's snapshot has expired: list again)."""
+        params = [("labelSelector", label_selector), ("limit", str(limit)), ("continue", continue_token)]
+        query = "&".join(f"{k}={quote(v, safe='')}" for k, v in params if v)
+        return self._call("list", "nodes", "GET", f"/api/v1/nodes?{query}")
 
     def watch_nodes(self, label_selector: str, resource_version: str, timeout_s: int = WATCH_TIMEOUT_S,
                     on_open: Callable[[urllib3.BaseHTTPResponse], None] | None = None) -> Iterator[dict[str, Any]]:

@@ -21,21 +21,17 @@ from __future__ import annotations
 import random
 import threading
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from typing import Any, Callable, Iterable
 
 from detector.agent.active import ConditionStatus
 from detector.kube.annotations import UNHEALTHY_GPUS
 from detector.kube.api import ApiError, KubeApi
 from detector.kube.pacing import Backoff, jittered
+from detector.kube.stamps import rfc3339
 
 MARKER = "gpu-npd: "
 MESSAGE_LIMIT = 1024
 _UNJUDGED = object()     # no annotation value given yet: the node's annotation is left as it is
-
-
-def rfc3339(t: float) -> str:
-    return datetime.fromtimestamp(t, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 @dataclass
@@ -108,6 +104,11 @@ class ConditionReporter:
             self._gpu_note = note
             self._dirty = self._dirty or any(self._differs(t, s) for t, s in self._desired.items())
             return self._dirty
+
+    def annotation_on_node(self) -> str | None:
+        """The annotation's value on the node, as read on start or last sent."""
+        with self._lock:
+            return self._annotation_sent
 
     def _annotation_due(self) -> bool:
         return self._annotation is not _UNJUDGED and self._annotation != self._annotation_sent

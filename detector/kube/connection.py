@@ -57,9 +57,25 @@ class Connection:
         return urllib3.PoolManager(**kwargs)
 
 
-def load_connection(kubeconfig: str | None) -> Connection:
-    """A kubeconfig when given, else the pod's service account."""
-    return from_kubeconfig(Path(kubeconfig)) if kubeconfig else in_cluster()
+def load_connection(kubeconfig: str | None, context: str | None = None) -> Connection:
+    """A kubeconfig when given (its `context`, else its current one), else the pod's service account."""
+    if context and not kubeconfig:
+        raise ConfigError(f"--context {context}: contexts are a kubeconfig's, and none was given")
+    return from_kubeconfig(Path(kubeconfig), context) if kubeconfig else in_cluster()
+
+
+def user_kubeconfig(given: str | None = None, environ: dict[str, str] | None = None,
+                    home: Path | None = None) -> str | None:
+    """The kubeconfig a command run by a person uses, as kubectl finds it: the one given, else the first
+    file $KUBECONFIG lists that exists, else ~/.kube/config if there is one; None: in-cluster."""
+    env = os.environ if environ is None else environ
+    if given:
+        return given
+    for entry in (env.get("KUBECONFIG") or "").split(os.pathsep):
+        if entry and Path(entry).is_file():
+            return entry
+    default = (home or Path.home()) / ".kube" / "config"
+    return str(default) if default.is_file() else None
 
 
 def in_cluster(sa_dir: Path = SERVICE_ACCOUNT_DIR) -> Connection:
@@ -72,12 +88,12 @@ def in_cluster(sa_dir: Path = SERVICE_ACCOUNT_DIR) -> Connection:
     return Connection(f"https://{host}:{port}", token_file=token, ca_file=str(sa_dir / "ca.crt"))
 
 
-def from_kubeconfig(path: Path) -> Connection:
+def from_kubeconfig(path: Path, context: str | None = None) -> Connection:
     try:
         doc = yaml.safe_load(path.read_text()) or {}
     except (OSError, yaml.YAMLError) as e:
         raise ConfigError(f"kubeconfig {path}: cannot read it: {e}") from None
-    context_name = doc.get("current-context")
+    context_name = context or doc.get("current-context")
     context = _named(doc, "contexts", context_name, path).get("context") or {}
     cluster = _named(doc, "clusters", context.get("cluster"), path).get("cluster") or {}
     user = _named(doc, "users", context.get("user"), path).get("user") or {}
@@ -104,8 +120,9 @@ def _named(doc: dict[str, Any], section: str, name: str | None, path: Path) -> d
     for item in doc.get(section) or []:
         if item.get("name") == name:
             return item
+    known = ", ".join(str(item.get("name")) for item in doc.get(section) or []) or "none"
     raise ConfigError(f"kubeconfig {path}: no {section[:-1]} named {name!r} (current-context "
-                      f"{doc.get('current-context')!r})")
+                      f"{doc.get('current-context')!r}; {section}: {known})")
 
 
 def _path(value: str | None, base: Path) -> Path | None:

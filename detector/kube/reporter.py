@@ -62,6 +62,7 @@ class KubeReporter(AgentSink):
         self._judged: dict[str, tuple[str, str]] | None = None
         self._early: dict[str, ConditionStatus] = {}
         self._adopt_backoff = self._backoff(rng)
+        self._health: list[GpuHealth] | None = None      # the GPUs as last judged
 
     def _backoff(self, rng: random.Random) -> Backoff:
         s = self.settings
@@ -91,7 +92,11 @@ class KubeReporter(AgentSink):
         return True
 
     def _start(self, on_node: dict[str, tuple[str, str]]) -> None:
-        """The node was read (or given up on): judge the flips that waited for it."""
+        """The node was read (or given up on): judge the flips that waited for it, and the annotation
+        again with the serials the node's own value remembers."""
+        if self._health is not None:
+            before = self.condition_out.annotation_on_node()
+            self.condition_out.annotate(unhealthy_gpus_annotation(self._health, before))
         with self._flip_lock:
             self._judged = dict(on_node)
             early, self._early = list(self._early.values()), {}
@@ -137,7 +142,8 @@ class KubeReporter(AgentSink):
 
     def gpus(self, health: list[GpuHealth]) -> None:
         """The node's unhealthy GPUs as an annotation, written with the next status PATCH if it changed."""
-        if self.condition_out.annotate(unhealthy_gpus_annotation(health)):
+        self._health = health
+        if self.condition_out.annotate(unhealthy_gpus_annotation(health, self.condition_out.annotation_on_node())):
             self._pending()
 
     def note_gpus(self, note: str) -> None:

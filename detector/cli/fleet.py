@@ -1,0 +1,143 @@
+"""`gpu-npd fleet` (and the kubectl plugin `kubectl gpu-npd`): the cluster's GPU nodes that need a look.
+
+kubectl runs a plugin named kubectl-gpu_npd for `kubectl gpu-npd ...` (a dash in the command is an
+underscore in the file name), passing the words after `gpu-npd` and its environment (KUBECONFIG) but none
+of kubectl's own flags: so the plugin takes --kubeconfig and --context itself, and finds the kubeconfig as
+kubectl does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any, Sequence
+
+from detector.kube.fleet_view import PAGE_SIZE, STALE_AFTER_S, FleetView
+
+EXIT_NOTHING_WRONG, EXIT_PROBLEMS, EXIT_USAGE, EXIT_API = 0, 1, 2, 3
+EXIT_CODES = ("exit code: 0 nothing is wrong, 1 a node is listed (an unhealthy GPU, a gpu-npd condition True, "
+              "or gpu-npd not reporting), 2 bad usage or no usable kubeconfig, 3 the API server could not be "
+              "read (unreachable, or the list refused: see deploy/fleet-viewer for the read-only RBAC)")
+PLUGIN = "kubectl gpu-npd"
+
+
+DESCRIPTION = ("Read every GPU node from the API server (one LIST, in pages) and list those with a degraded or "
+               "failed GPU (the gpu-npd.io/unhealthy-gpus annotation), a gpu-npd condition True, or whose gpu-npd "
+               "is not reporting (no heartbeat for --stale-after, or never), with the node's readiness and taints. "
+               f"Needs get and list on nodes, nothing more (deploy/fleet-viewer).\n{EXIT_CODES}.")
+EPILOG = ("examples:\n"
+          "  gpu-npd fleet                                      # $KUBECONFIG or ~/.kube/config\n"
+          "  kubectl gpu-npd                                    # the same, as a kubectl plugin\n"
+          "  kubectl gpu-npd fleet -o json | jq '.nodes[].unhealthyGpus[]'\n"
+          "  gpu-npd fleet -l gpu-npd.io/rack=rack-07 --all     # one rack, healthy nodes too\n"
+          "  gpu-npd fleet --kubeconfig kc.yaml --context admin # another kubeconfig and context")
+
+
+def add_fleet_parser(sub: Any) -> None:
+    f = sub.add_parser("fleet", help="list the cluster's GPU nodes with unhealthy GPUs, gpu-npd conditions True, "
+                                     "or no report", description=DESCRIPTION, epilog=EPILOG,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_fleet_arguments(f)
+
+
+def add_fleet_arguments(f: argparse.ArgumentParser) -> None:
+    f.add_argument("--kubeconfig", metavar="FILE",
+                   help="kubeconfig (default: the first file in $KUBECONFIG, else ~/.kube/config, else the "
+                        "pod's in-cluster service account)")
+    f.add_argument("--context", metavar="NAME", help="the kubeconfig context to use (default: its current one)")
+    f.add_argument("-l", "--selector", default="", metavar="SELECTOR",
+                   help="list only the nodes this label selector matches, all taken as GPU nodes (default: "
+                        "every node, GPU nodes being those with a label deploy/'s DaemonSet selects by, "
+                        "nvidia.com/gpu.present=true or NFD's feature.node.kubernetes.io/pci-10de.present, "
+                        "or anything gpu-npd writes)")
+    f.add_argument("--all", action="store_true", help="list the healthy GPU nodes too")
+    f.add_argument("--stale-after", type=float, default=STALE_AFTER_S, metavar="SECONDS",
+                   help="gpu-npd is not reporting when its newest condition heartbeat is older than this "
+                        f"(default {STALE_AFTER_S:g}: three of the daemon's 300 s heartbeats)")
+    f.add_argument("--chunk-size", type=int, default=PAGE_SIZE, metavar="N",
+                   help=f"nodes per page of the LIST (default {PAGE_SIZE}, as kubectl)")
+    f.add_argument("-o", "--output", choices=("table", "json"), default="table", help="default: table")
+    f.set_defaults(func=cmd_fleet)
+
+
+def cmd_fleet(args: argparse.Namespace) -> int:
+    from detector.cli.main import UsageError, builtin_rules_dir
+    from detector.kube.api import ApiError, ConfigError, KubeApi
+    from detector.kube.connection import user_kubeconfig
+    from detector.kube.fleet_view import read_fleet
+    from detector.rules.loader import load_rules
+
+    if args.chunk_size < 1 or args.stale_after <= 0:
+        raise UsageError("--chunk-size must be at least 1 and --stale-after above 0")
+    try:
+        api = KubeApi.from_kubeconfig(user_kubeconfig(args.kubeconfig), args.context, qps=50.0, burst=50)
+    except ConfigError as e:
+        raise UsageError(str(e)) from None
+    try:
+        view = read_fleet(api, load_rules([builtin_rules_dir()]).types(), args.selector, args.chunk_size,
+                          args.stale_after, keep_all=args.all)
+    except ApiError as e:
+        print(f"gpu-npd: cannot list nodes: {e.explain(FLEET_RBAC_HINT)}", file=sys.stderr)
+        return EXIT_API
+    if args.output == "json":
+        print(json.dumps(fleet_json(view, args.stale_after), indent=2))
+    else:
+        print(render_fleet(view))
+    return EXIT_NOTHING_WRONG if view.nothing_wrong else EXIT_PROBLEMS
+
+
+FLEET_RBAC_HINT = ("deploy/fleet-viewer does (get and list nodes, read-only): bind its ClusterRole gpu-npd-fleet-viewer "
+                   "to yourself, as its binding example shows")
+
+
+def fleet_json(view: FleetView, stale_after_s: float) -> dict[str, Any]:
+    return {"summary": view.summary(), "nothingWrong": view.nothing_wrong, "staleAfterSeconds": stale_after_s,
+            "nodes": [n.to_dict() for n in view.nodes]}
+
+
+def render_fleet(view: FleetView) -> str:
+    """One row per unhealthy GPU, per gpu-npd condition True and per node not reporting (a healthy node
+    listed with --all has one row of its own), then the summary line."""
+    from detector.cli.render import columns
+
+    rows = [("NODE", "GPU", "BUS ID", "UUID", "SERIAL", "STATE", "ACTION/REASON", "SINCE", "STATUS", "TAINTS")]
+    for node in view.nodes:
+        tail = (node.status, ",".join(str(t) for t in node.taints) or "-")
+        for g in node.unhealthy:
+            rows.append((node.name, "-" if g.index is None else str(g.index), g.pci_bus_id or "-", g.uuid or "-",
+                         g.serial or "-", g.state, g.action or "-", g.since or "-", *tail))
+        for c in node.conditions:
+            rows.append((node.name, "-", "-", "-", "-", c.type, c.reason or "-", c.since or "-", *tail))
+        if not node.reporting:
+            rows.append((node.name, "-", "-", "-", "-", "not-reporting",
+                         "NoHeartbeat" if node.last_heartbeat else "NeverReported", node.last_heartbeat or "-", *tail))
+        if node.annotation_error:
+            rows.append((node.name, "-", "-", "-", "-", "unreadable", "BadAnnotation", "-", *tail))
+        if not node.has_problems:
+            rows.append((node.name, "-", "-", "-", "-", "healthy", "-", "-", *tail))
+    lines = columns(rows) if len(rows) > 1 else []
+    lines.append(summary_line(view))
+    return "\n".join(lines)
+
+
+def summary_line(view: FleetView) -> str:
+    counts = (f"{view.gpu_nodes} GPU node{'s' if view.gpu_nodes != 1 else ''}, {view.gpus} GPUs, {view.failed} "
+              f"failed, {view.degraded} degraded, {view.not_reporting} not reporting")
+    if view.nothing_wrong:
+        return f"nothing is wrong: {counts}"
+    return f"{view.with_problems} node{'s' if view.with_problems != 1 else ''} to look at: {counts}"
+
+
+def kubectl_plugin(argv: Sequence[str] | None = None) -> int:
+    """`kubectl gpu-npd [fleet] [options]`: kubectl runs the kubectl-gpu_npd executable with the words
+    after `gpu-npd`; the fleet view is its one command, so `fleet` may be left out."""
+    from detector.cli.main import run_command
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] == ["fleet"]:
+        args = args[1:]
+    parser = argparse.ArgumentParser(prog=f"{PLUGIN} [fleet]", description=DESCRIPTION, epilog=EPILOG,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_fleet_arguments(parser)
+    return run_command(parser.parse_args(args))

@@ -96,9 +96,11 @@ def test_metrics_have_one_series_per_gpu_that_follows_its_state():
     assert bad["1"][0] in ("degraded", "failed") and bad["1"][2] >= 1.0
     assert set(bad) == {"1", "3"}
     node.inject(Fault("recover", gpu=1))
-    node.inject(Fault("reboot"))                               # XID 79 is held until a reboot
-    clock.now += 60
-    agent.run_due()
+    node.inject(Fault("reboot"))                               # XID 79 is held until a reboot, and its cure
+    for _ in range(agent.settings.verify_sweeps):              # is verified by every check, round after round
+        assert series()["0000:5d:00.0"][0]["state"] == "failed"
+        clock.now += 60
+        agent.run_due()
     assert {(l["state"], v) for l, v in series().values()} == {("healthy", 0.0)} and len(series()) == 8
 
 

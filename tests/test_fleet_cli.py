@@ -284,3 +284,23 @@ def test_kubectl_runs_the_plugin_with_or_without_fleet(emulator, viewer, tmp_pat
     usage = run("gpu-npd", "fleet", "--help")
     assert usage.returncode == 0 and usage.stdout.startswith("usage: kubectl gpu-npd [fleet]")
     assert "exit code: 0 nothing is wrong" in " ".join(usage.stdout.split())
+
+
+def test_a_node_still_being_verified_after_its_boot_is_shown_as_verifying_not_as_wrong():
+    from detector.kube.conditions import MARKER
+    from detector.kube.fleet_view import fleet_node
+
+    now = "2026-11-26T10:00:00Z"
+    node = {"metadata": {"name": "gpu-v", "labels": {"nvidia.com/gpu.present": "true"}},
+            "status": {"conditions": [
+                {"type": "Ready", "status": "True"},
+                {"type": "GpuNodeUnverified", "status": "True", "reason": "ChecksPending", "lastHeartbeatTime": now,
+                 "message": f"{MARKER}2 check(s) have not run in this boot yet (up 1m): xid, pcie"},
+                {"type": "GpuXidError", "status": "False", "reason": "NoGpuXidError", "lastHeartbeatTime": now,
+                 "message": f"{MARKER}no GpuXidError problem found"}]}}
+    from detector.kube.stamps import parse_rfc3339
+    seen = fleet_node(node, frozenset({"GpuNodeUnverified", "GpuXidError"}), parse_rfc3339(now) + 10, 900)
+    assert seen is not None and not seen.has_problems
+    assert seen.status == "Ready,Verifying" and "have not run in this boot yet" in seen.verifying
+    node["status"]["conditions"][1]["reason"] = "RemediationRequested"          # that one is a problem
+    assert fleet_node(node, frozenset({"GpuNodeUnverified"}), parse_rfc3339(now) + 10, 900).has_problems

@@ -28,6 +28,9 @@ PAGE_SIZE = 500                  # what kubectl asks for (--chunk-size): a page 
 HEARTBEAT_S = 300.0              # the daemon's --heartbeat (node-problem-detector's heartbeat period)
 STALE_AFTER_S = 3 * HEARTBEAT_S  # three heartbeats missed (each jittered by up to 10%): not one slow PATCH
 READINESS_TAINT_PREFIX = "readiness.k8s.io/"
+# A True gpu-npd condition that says the node is still being verified after a boot (rules/readiness.yaml),
+# not that something is wrong: shown in the node's status, never counted as a problem.
+VERIFYING_REASONS = frozenset({"ChecksPending"})
 GPU_RESOURCE = "nvidia.com/gpu"
 # The labels deploy/base's DaemonSet selects GPU nodes by (its node-affinity terms, ORed; a test keeps
 # them equal). Its `type NotIn [kwok]` is left out: the fleet simulator reports for KWOK's GPU nodes.
@@ -78,6 +81,7 @@ class FleetNode:
     last_heartbeat: str | None    # the newest lastHeartbeatTime of gpu-npd's conditions; None: it never reported
     reporting: bool
     annotation_error: str = ""    # the annotation is there but unreadable
+    verifying: str = ""           # gpu-npd has not run every check in this boot yet (the condition's message)
 
     @property
     def failed(self) -> int:
@@ -99,7 +103,8 @@ class FleetNode:
     def status(self) -> str:
         """As `kubectl get nodes` says it: Ready, NotReady or Unknown, and SchedulingDisabled when cordoned."""
         words = [{"True": "Ready", "False": "NotReady"}.get(self.ready, "Unknown")]
-        return ",".join(words + (["SchedulingDisabled"] if self.unschedulable else []))
+        return ",".join(words + (["SchedulingDisabled"] if self.unschedulable else [])
+                        + (["Verifying"] if self.verifying else []))
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "status": self.status, "ready": self.ready or None,
@@ -108,7 +113,7 @@ class FleetNode:
                 "reporting": self.reporting, "lastHeartbeat": self.last_heartbeat,
                 "unhealthyGpus": [g.to_dict() for g in self.unhealthy],
                 "conditions": [c.to_dict() for c in self.conditions],
-                "annotationError": self.annotation_error or None}
+                "annotationError": self.annotation_error or None, "verifying": self.verifying or None}
 
 
 @dataclass
@@ -190,15 +195,17 @@ def fleet_node(node: Mapping[str, Any], owned_types: frozenset[str], now: float,
     beats = [(t, c.get("lastHeartbeatTime")) for c in ours if (t := parse_rfc3339(c.get("lastHeartbeatTime")))]
     last = max(beats)[1] if beats else None
     ready = next((str(c.get("status") or "") for c in conditions if c.get("type") == "Ready"), "")
+    true = [c for c in ours if c.get("status") == "True"]
+    verifying = [c for c in true if c.get("reason") in VERIFYING_REASONS]
     return FleetNode(
         name=str(meta.get("name") or ""), ready=ready, unschedulable=bool(spec.get("unschedulable")),
         taints=tuple(Taint(str(t.get("key") or ""), str(t.get("value") or ""), str(t.get("effect") or ""))
                      for t in spec.get("taints") or [] if isinstance(t, dict)),
         gpus=_gpu_count(status, labels), unhealthy=unhealthy,
         conditions=tuple(TrueCondition(str(c.get("type")), str(c.get("reason") or ""), str(c.get("message") or ""),
-                                       c.get("lastTransitionTime")) for c in ours if c.get("status") == "True"),
+                                       c.get("lastTransitionTime")) for c in true if c not in verifying),
         last_heartbeat=last, reporting=bool(beats) and now - max(beats)[0] <= stale_after_s,
-        annotation_error=error)
+        annotation_error=error, verifying="; ".join(str(c.get("message") or "") for c in verifying))
 
 
 def _gpu_count(status: Mapping[str, Any], labels: Mapping[str, str]) -> int | None:

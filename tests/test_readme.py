@@ -578,7 +578,7 @@ def test_emulator_runs_outside_the_repository(tmp_path: Path):
     try:
         assert f"RBAC from {packaged_deploy_dir() / 'base'}" in out
         assert api_status(tmp_path / "kc.yaml", "/api/v1/nodes/gpu-17") == 200
-        assert api_status(tmp_path / "kc.yaml", "/api/v1/nodes") == 403
+        assert api_status(tmp_path / "kc.yaml", "/api/v1/namespaces/default/pods") == 403
     finally:
         assert bg.stop() == 0
 
@@ -588,8 +588,8 @@ def test_emulator_deploy_dir(tmp_path: Path):
     deploy = tmp_path / "deploy"
     (deploy / "base").mkdir(parents=True)
     text = (REPO / "deploy" / "base" / "rbac.yaml").read_text()
-    assert 'verbs: ["get"]' in text
-    (deploy / "base" / "rbac.yaml").write_text(text.replace('verbs: ["get"]', 'verbs: ["list"]', 1))
+    assert 'verbs: ["get", "list", "watch"]' in text
+    (deploy / "base" / "rbac.yaml").write_text(text.replace('verbs: ["get", "list", "watch"]', 'verbs: ["list"]', 1))
     gpu_npd = str(Path(sys.prefix) / "bin" / "gpu-npd")
     bg, out = run_emulator([gpu_npd, "emulator", "--deploy-dir", str(deploy), "--kubeconfig-out", "kc.yaml",
                             "--node", "gpu-17"], tmp_path)

@@ -69,8 +69,8 @@ NODE_LABEL = key("node")
 GPU_ANNOTATION = key("gpu")               # the GPU's bus id or UUID: which GPU a rule is about
 REASONS_ANNOTATION = key("reasons")
 EFFECTS = ("NoSchedule", "NoExecute")          # None (Python's) in the settings: no taint for that state
-RBAC_HINT = ("deploy/overlays/dra-taints does (list resourceslices; get, list, create, update and delete "
-             "devicetaintrules), as does the Helm chart with draTaints.enabled=true")
+RBAC_HINT = ("deploy/overlays/dra-taints does (get, list, create, update and delete devicetaintrules; "
+             "deploy/base lists resourceslices), as does the Helm chart with draTaints.enabled=true")
 NAME_LIMIT = 63
 
 

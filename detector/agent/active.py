@@ -13,7 +13,7 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 from detector.core.check import COMMON_FIELDS
 from detector.core.quarantine import kept_at
@@ -24,18 +24,40 @@ STATE_VERSION = 1
 
 
 @dataclass
+class Verifying:
+    """A problem whose cure (its rule stopped matching, or a reboot ended it) is not yet trusted: it stays
+    held until every check has passed `verify_sweeps` rounds since the cure. A round ends once every
+    scheduled check has run since it began."""
+
+    since: float                 # when the cure was seen
+    rebooted: bool               # the cure was a reboot (the problem belongs to an earlier boot)
+    rounds: int = 0
+    ran: set[str] = field(default_factory=set)      # checks run in the round under way
+
+    def note(self, ran: Iterable[str], scheduled: set[str]) -> None:
+        self.ran |= set(ran)
+        if self.ran >= scheduled:
+            self.rounds, self.ran = self.rounds + 1, set()
+
+
+@dataclass
 class Latch:
     problem: Problem
     boot: str           # the boot it was last seen in
     first: float
     last: float         # when its rule last matched
+    verifying: Verifying | None = None
 
     def to_dict(self, recovery: str = "") -> dict[str, Any]:
         """`recovery` (the rule's) is written for `gpu-npd clear --list`; loading goes by the rules."""
         p = self.problem
-        return {"rule": p.rule, "check": p.check, "type": p.type, "reason": p.reason, "message": p.message,
-                "severity": p.severity.value, "action": p.action, "gpus": [g.to_dict() for g in p.gpus],
-                "time": p.time, "boot": self.boot, "first": self.first, "last": self.last, "recovery": recovery}
+        d = {"rule": p.rule, "check": p.check, "type": p.type, "reason": p.reason, "message": p.message,
+             "severity": p.severity.value, "action": p.action, "gpus": [g.to_dict() for g in p.gpus],
+             "time": p.time, "boot": self.boot, "first": self.first, "last": self.last, "recovery": recovery}
+        if self.verifying is not None:
+            d["verifying"] = {"since": self.verifying.since, "rebooted": self.verifying.rebooted,
+                              "rounds": self.verifying.rounds}
+        return d
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "Latch":
@@ -43,7 +65,9 @@ class Latch:
                           message=d["message"], severity=Severity(d["severity"]), action=d["action"],
                           report="condition", gpus=tuple(GpuRef(**g) for g in d.get("gpus", [])),
                           time=float(d["time"]))
-        return cls(problem, str(d["boot"]), float(d["first"]), float(d["last"]))
+        v = d.get("verifying")
+        verifying = Verifying(float(v["since"]), bool(v["rebooted"]), int(v.get("rounds", 0))) if v else None
+        return cls(problem, str(d["boot"]), float(d["first"]), float(d["last"]), verifying)
 
 
 @dataclass
@@ -74,9 +98,11 @@ class ConditionStatus:
 
 
 class ActiveProblems:
-    def __init__(self, rules: Iterable[Rule]):
+    def __init__(self, rules: Iterable[Rule], verify: Callable[[Problem], bool] = lambda p: False):
+        """`verify`: which problems, once cured, stay held until the cure is verified (`advance`)."""
         self.rules = {r.name: r for r in rules}
         self.latches: dict[tuple[str, str], Latch] = {}
+        self.verify = verify
 
     def update(self, check: str, ran_ok: bool, problems: Iterable[Problem], now: float, boot: str) -> bool:
         """Take one run of `check` and what the rules made of it; True when the held set changed."""
@@ -92,15 +118,40 @@ class ActiveProblems:
         for key in [k for k in self.latches if k[1] == check and k not in fired]:
             rule = self.rules.get(key[0])
             if rule is None or (rule.recovery == "observation" and (ran_ok or _judges_status(rule))):
-                del self.latches[key]
+                self._release(key, now, boot, verify=rule is not None)
         return self._fingerprint() != before
 
     def expire(self, now: float, boot: str) -> bool:
-        """Release what a reboot or a ttl ends, and what no loaded rule holds any more."""
-        gone = [k for k, latch in self.latches.items() if self._over(k[0], latch, now, boot)]
-        for k in gone:
-            del self.latches[k]
-        return bool(gone)
+        """Release what a reboot or a ttl ends, and what no loaded rule holds any more (a reboot's cure is
+        verified first, like any other)."""
+        before = self._fingerprint()
+        for key, latch in list(self.latches.items()):
+            if latch.verifying is None and self._over(key[0], latch, now, boot):
+                rule = self.rules.get(key[0])
+                ttl_over = rule is not None and rule.ttl_s is not None and now - latch.last >= rule.ttl_s
+                self._release(key, now, boot, verify=rule is not None and not ttl_over)
+        return self._fingerprint() != before
+
+    def _release(self, key: tuple[str, str], now: float, boot: str, verify: bool) -> None:
+        latch = self.latches[key]
+        if verify and self.verify(latch.problem):
+            if latch.verifying is None:
+                latch.verifying = Verifying(now, latch.boot != boot)
+        else:
+            del self.latches[key]
+
+    def advance(self, ran: Iterable[str], scheduled: set[str], rounds_needed: int) -> list[Latch]:
+        """A sweep ran these checks: count them towards each cure being verified; release and return the
+        latches whose cure is now verified (every check passed `rounds_needed` rounds since)."""
+        ran = set(ran)
+        released = []
+        for key, latch in list(self.latches.items()):
+            if latch.verifying is None:
+                continue
+            latch.verifying.note(ran, scheduled)
+            if latch.verifying.rounds >= rounds_needed:
+                released.append(self.latches.pop(key))
+        return released
 
     def clear(self, types: set[str] | None, before: float) -> "ClearResult":
         """An operator's clear: release the held problems (recovery reboot or manual) of these types (all
@@ -110,7 +161,7 @@ class ActiveProblems:
         for key, latch in list(self.latches.items()):
             if types is not None and latch.problem.type not in types:
                 continue
-            if self.is_held(latch):
+            if self.is_held(latch) or latch.verifying is not None:
                 if latch.last <= before:
                     result.cleared.append(latch)
                     del self.latches[key]
@@ -132,11 +183,12 @@ class ActiveProblems:
         return rule.recovery == "reboot" and latch.boot != boot
 
     def _fingerprint(self) -> set[tuple[Any, ...]]:
-        return {(k, l.problem.reason, l.problem.message) for k, l in self.latches.items()}
+        return {(k, l.problem.reason, l.problem.message, l.verifying.rounds if l.verifying else None)
+                for k, l in self.latches.items()}
 
     # -- what the node shows ------------------------------------------------------------------------
 
-    def condition(self, type_: str, limit: int = MESSAGE_LIMIT) -> ConditionStatus:
+    def condition(self, type_: str, limit: int = MESSAGE_LIMIT, rounds_needed: int = 1) -> ConditionStatus:
         """The most urgent problem leads (the action it demands, then severity, then recency); the others
         follow once each, and the message ends with the leading problem's recommended action."""
         held = sorted((l for l in self.latches.values() if l.problem.type == type_),
@@ -148,6 +200,8 @@ class ActiveProblems:
         bodies: list[str] = []
         for latch in held:
             body, _ = finding_of(latch.problem.message)
+            if latch.verifying is not None:
+                body += f" [{verifying_note(latch.verifying, rounds_needed)}]"
             if body not in bodies:
                 bodies.append(body)
         action = top.action if finding_of(top.message)[1] else "NONE"
@@ -181,6 +235,11 @@ class ActiveProblems:
             if latch.problem.rule in self.rules:
                 self.latches[(latch.problem.rule, latch.problem.check)] = latch
         return None
+
+
+def verifying_note(v: Verifying, rounds_needed: int) -> str:
+    cure = "after a reboot" if v.rebooted else "cleared"
+    return f"{cure}; verifying: {v.rounds} of {rounds_needed} rounds of every check passed"
 
 
 def _judges_status(rule: Rule) -> bool:

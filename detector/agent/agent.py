@@ -17,14 +17,14 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
-from detector.agent.active import ActiveProblems, ConditionStatus
+from detector.agent.active import ActiveProblems, ConditionStatus, Latch
 from detector.core.check import Check
-from detector.core.gpu_health import GpuHealth, fuller, gpu_health, gpu_key
+from detector.core.gpu_health import APPLICATION_ACTIONS, GpuHealth, fuller, gpu_health, gpu_key
 from detector.core.inventory import Inventory
 from detector.core.nodecheck import NodeCheck, NodeView, judge_node
 from detector.core.nodestatus import MAINTENANCE_ANNOTATION
 from detector.core.sweep import CheckRun, Host, SweepResult, run_sweep
-from detector.core.types import GpuRef, Problem
+from detector.core.types import GpuRef, Problem, Severity
 from detector.rules.engine import RuleEngine
 from detector.rules.loader import RuleSet
 from detector.rules.model import MESSAGE_LIMIT
@@ -61,6 +61,13 @@ class AgentSettings:
     message_limit: int = MESSAGE_LIMIT
     state_dir: Path | None = None          # problems.json (held problems) and operator clear requests
     maintenance_annotation: str = MAINTENANCE_ANNOTATION   # a site's "under maintenance" annotation ("": none)
+    # Condition types that ask for the node's remediation: False while the node is under maintenance, and,
+    # like a failed GPU, lifted only once the cure is verified.
+    remediation_types: tuple[str, ...] = ("GpuNodeNeedsRemediation",)
+    verify_sweeps: int = 3                 # rounds of every check a cure must pass before it is trusted (0: none)
+    # Held conditions that withdraw a remediation ask on purpose (another reboot will not help): the ask ends
+    # at once, with no cure to verify.
+    withdrawing_types: tuple[str, ...] = ("GpuRemediationLoop",)
 
 
 class NodeAgent:
@@ -69,13 +76,14 @@ class NodeAgent:
                  rng: random.Random | None = None):
         self.host, self.ruleset = host, ruleset
         self.checks = [c for c in checks if not isinstance(c, NodeCheck)]       # scheduled, in sweeps
-        self.node_checks = [c for c in checks if isinstance(c, NodeCheck)]     # judged after every sweep
+        self.node_checks = sorted((c for c in checks if isinstance(c, NodeCheck)),    # judged after every sweep
+                                  key=lambda c: (c.judge_order, c.name))
         self._scheduled = {c.name for c in self.checks}
         self.sinks = list(sinks)
         self.settings = settings or AgentSettings()
         self.clock = clock
         self.engine = RuleEngine(ruleset)
-        self.active = ActiveProblems(ruleset.rules)
+        self.active = ActiveProblems(ruleset.rules, self._verifies)
         self.owned_types = sorted(ruleset.types())
         self._needs = _checks_per_type(ruleset, {c.name for c in [*self.checks, *self.node_checks]})
         self._node_scoped = frozenset(r.name for r in ruleset.rules if r.scope == "node")
@@ -87,6 +95,7 @@ class NodeAgent:
         self._attempted: set[str] = set()     # checks that ran at all, skipped included
         self._started = clock()
         self._node_due = False                # the node changed (its advertised GPUs, maintenance): judge it again
+        self._maintenance = ""                # what the conditions last said of maintenance
         self._boot_runs: tuple[str, set[str]] = (host.current_boot(), set())   # checks run (not skipped) this boot
         self._judged: set[str] = set()
         self._inventory: tuple[float, str, Inventory] | None = None
@@ -179,8 +188,16 @@ class NodeAgent:
                     self._ran_in(boot).add(run.name)
         if self.node_checks and not over:
             changed |= self._judge_node(result, problems, now, boot)
+        if not over:
+            verified = self.active.advance((r.name for r in result.runs if r.status != "skipped"), self._scheduled,
+                                           self.settings.verify_sweeps)
+            uptime = self.host.uptime_s()
+            problems.extend(recovery_event(latch, now, uptime) for latch in verified)
+            changed |= bool(verified)
         self._learn_identities(l.problem for l in self.active.latches.values())
-        newly_judged = self._judge()
+        maintenance = self.maintenance()
+        changed_maintenance, self._maintenance = maintenance != self._maintenance, maintenance
+        newly_judged = self._judge() or changed_maintenance
         if changed:
             self._save()
         health = self.gpu_health()
@@ -208,7 +225,12 @@ class NodeAgent:
 
     def gpu_health(self) -> list[GpuHealth]:
         """Each GPU's state from the problems held now (conditions, not one-off events), and its incidents."""
-        health = gpu_health(self._known_gpus.values(), (l.problem for l in self.active.latches.values()))
+        latches = list(self.active.latches.values())
+        health = gpu_health(self._known_gpus.values(), (l.problem for l in latches))
+        if any(l.verifying for l in latches):
+            live = {gpu_key(h.gpu): h.state for h in
+                    gpu_health(self._known_gpus.values(), (l.problem for l in latches if not l.verifying))}
+            health = [replace(h, verifying=live.get(gpu_key(h.gpu)) != h.state) for h in health]
         return [replace(h, incidents=self._incidents.get(gpu_key(h.gpu), 0)) for h in health]
 
     def _ran_in(self, boot: str) -> set[str]:
@@ -238,12 +260,21 @@ class NodeAgent:
                         pending=tuple(sorted(self._scheduled - self._ran_in(boot))),
                         maintenance=status.maintenance(self.settings.maintenance_annotation) if status else "")
         changed = False
-        for run, found in judge_node(checks, view, lambda run: self.engine.evaluate(_observations(run))):
+
+        def evaluate(run: CheckRun) -> list[Problem]:
+            nonlocal changed
+            found = self.engine.evaluate(_observations(run))
+            changed |= self.active.update(run.name, run.status == "ok", found, now, boot)
+            return found
+
+        def holding(check: str) -> list[Problem]:       # what the next node check sees of this one: its held
+            return [l.problem for (_, c), l in self.active.latches.items() if c == check]
+
+        for run, found in judge_node(checks, view, evaluate, holding):
             if run.result is not None and "incidents" in run.result:
                 self._incidents = dict(run.result["incidents"])
             result.runs.append(run)
             problems.extend(found)
-            changed |= self.active.update(run.name, run.status == "ok", found, now, boot)
             self._attempted.add(run.name)
             self._ran.add(run.name)
         return changed
@@ -273,7 +304,31 @@ class NodeAgent:
         return bool(new)
 
     def conditions(self) -> list[ConditionStatus]:
-        return [self.active.condition(t, self.settings.message_limit) for t in self.owned_types if t in self._judged]
+        maintenance = self.maintenance()
+        statuses = []
+        for t in self.owned_types:
+            if t not in self._judged:
+                continue
+            status = self.active.condition(t, self.settings.message_limit, self.settings.verify_sweeps)
+            if maintenance and t in self.settings.remediation_types:
+                status = under_maintenance(status, maintenance, self.settings.message_limit)
+            statuses.append(status)
+        return statuses
+
+    def maintenance(self) -> str:
+        """Why the node is under planned maintenance now ("" when it is not), from what the cluster says."""
+        status = self.host.node_status()
+        return status.maintenance(self.settings.maintenance_annotation) if status is not None else ""
+
+    def _verifies(self, problem: Problem) -> bool:
+        """Whose cure is verified before it is trusted: the node's remediation ask, and a failed GPU (not
+        one an application's fault named: that never failed it)."""
+        if self.settings.verify_sweeps <= 0:
+            return False
+        if problem.type in self.settings.remediation_types:
+            return not any(l.problem.type in self.settings.withdrawing_types for l in self.active.latches.values())
+        return (
+            problem.severity is Severity.CRITICAL and bool(problem.gpus) and problem.action not in APPLICATION_ACTIONS)
 
     def clear(self, types: set[str] | None = None) -> None:
         """An operator's clear of held conditions (all types when None)."""
@@ -340,6 +395,44 @@ def write_json(path: Path, data: dict) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(json.dumps(data, indent=1))
     os.replace(tmp, path)
+
+
+def recovery_event(latch: Latch, now: float, uptime_s: float | None = None) -> Problem:
+    """The event that says a cure was verified, and how long it took from the cure (for a reboot, from the
+    boot itself where the uptime is known, not from when gpu-npd first saw the new boot)."""
+    p, v = latch.problem, latch.verifying
+    assert v is not None
+    what = ", ".join(g.label() for g in p.gpus) or "the node"
+    cure = "the reboot" if v.rebooted else "it cleared"
+    took = uptime_s if v.rebooted and uptime_s is not None else now - v.since
+    return Problem("recovery-verified", p.check, p.type, "RecoveryVerified",
+                   f"{p.type} {p.reason} on {what} is over: every check passed {v.rounds} rounds in a row, "
+                   f"verified {_duration(took)} after {cure}", Severity.INFO, "NONE", "event", p.gpus, now)
+
+
+def under_maintenance(status: ConditionStatus, maintenance: str, limit: int) -> ConditionStatus:
+    """A remediation ask while the node is under planned maintenance: False, its reason naming the
+    maintenance, its message saying what would be asked otherwise. KEP-5683's lifecycle conditions are the
+    shared signal that a node is worked on on purpose; a detector goes on judging but must not send it to
+    a remediator mid-maintenance (a reboot in a firmware update is not a fault)."""
+    reason = maintenance.split("=", 1)[0] if maintenance.endswith(")") or "=True" in maintenance \
+        else "MaintenanceAnnotation"
+    message = f"the node is under maintenance ({maintenance}): gpu-npd asks for no remediation"
+    if status.active:
+        message += f"; otherwise it would: {status.reason}: {status.message}"
+    return ConditionStatus(status.type, False, reason if reason.isalnum() else "UnderMaintenance",
+                           message[:limit], status.severity)
+
+
+def _duration(seconds: float) -> str:
+    seconds = max(0, int(seconds))
+    if seconds < 60:
+        return f"{seconds}s"
+    minutes, seconds = divmod(seconds, 60)
+    if minutes < 60:
+        return f"{minutes}m{seconds:02d}s"
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m"
 
 
 def _in_lane(check: Check, long_running: bool | None) -> bool:

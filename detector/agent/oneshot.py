@@ -22,7 +22,8 @@ def diagnose_once(host: Host, checks: Sequence[Check], ruleset: RuleSet, invento
     problems = engine.evaluate(sweep.observations)
     view = sweep_view(sweep, problems, frozenset(r.name for r in ruleset.rules if r.scope == "node"),
                       sweep.boot, host.node_status(), host.uptime_s())
-    for run, found in judge_node([c for c in checks if isinstance(c, NodeCheck)], view,
+    node_checks = sorted((c for c in checks if isinstance(c, NodeCheck)), key=lambda c: (c.judge_order, c.name))
+    for run, found in judge_node(node_checks, view,
                                  lambda run: engine.evaluate([run.status_observation(), *run.observations])):
         sweep.runs.append(run)
         problems += found

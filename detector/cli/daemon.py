@@ -14,6 +14,7 @@ from typing import Any
 from detector.cli.history import add_history_parser
 from detector.agent.agent import CLEAR_RESULT_FILE, PROBLEMS_FILE, AgentSettings, write_clear_request
 from detector.cli.signals import on_stop_signals
+from detector.core.nodestatus import MAINTENANCE_ANNOTATION
 from detector.daemon.logs import setup_logging
 from detector.daemon.run import Daemon, DaemonSettings
 from detector.kube.device_taints import DeviceTaintSettings
@@ -80,6 +81,14 @@ def add_daemon_parsers(sub: Any) -> None:
                         "maintenance) judge without it. For sites that cannot grant list and watch on nodes; "
                         "by default one watch on this node (field selector on its name) and, when the "
                         "allocatable check or --dra-taints needs them, on its ResourceSlices")
+    r.add_argument("--verify-sweeps", type=int, default=3, metavar="N",
+                   help="a cure (a reboot, a GPU back) is trusted only after every check passed N rounds since: "
+                        "until then a failed GPU stays fenced and the node's remediation ask stays (default 3; "
+                        "0 trusts it at once)")
+    r.add_argument("--maintenance-annotation", default=MAINTENANCE_ANNOTATION, metavar="KEY",
+                   help="a node annotation your maintenance tooling sets (any value but 'false'): while it is there, "
+                        "or KEP-5683's MaintenanceInProgress or DrainInProgress is True, no remediation is asked "
+                        f"(default {MAINTENANCE_ANNOTATION}; '' for the conditions alone)")
     r.add_argument("--dra-taints", action="store_true",
                    default=_env("GPU_NPD_DRA_TAINTS", "").lower() in ("1", "true", "yes"),
                    help="taint failed and degraded GPUs through DRA: a DeviceTaintRule (resource.k8s.io, KEP-5055) "
@@ -123,6 +132,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     if not args.node_name:
         raise UsageError("no node name: set NODE_NAME (the DaemonSet sets it from spec.nodeName) or --node-name")
+    if args.verify_sweeps < 0:
+        raise UsageError(f"--verify-sweeps {args.verify_sweeps}: expected 0 (trust a cure at once) or more rounds")
     setup_logging(args.log_format, args.log_level, args.node_name)
     registry = CheckRegistry.from_entry_points()
     ruleset = load_ruleset(args.rules, registry)
@@ -146,7 +157,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     settings = DaemonSettings(
         listen=args.listen,
         agent=AgentSettings(inventory_timeout_s=args.inventory_timeout, start_spread_s=args.start_spread,
-                            state_dir=state_dir),
+                            state_dir=state_dir, verify_sweeps=args.verify_sweeps,
+                            maintenance_annotation=args.maintenance_annotation),
         reporter=ReporterSettings(heartbeat_s=args.heartbeat,
                                   events=EventSettings(burst=args.event_burst, refill_per_s=1 / args.event_refill)),
         dra_taints=DeviceTaintSettings(

@@ -28,6 +28,8 @@ class GpuHealth:
     action: str                      # the recommended action for this GPU now; NONE when healthy
     reasons: tuple[str, ...] = ()    # the reasons of the problems naming it, most urgent first
     incidents: int = 0               # its incidents in the node check's flaky window (where it keeps history)
+    verifying: bool = False          # unhealthy only by problems whose cure is being verified: still fenced,
+                                     # but no reason to remediate the node again (the cure already happened)
 
 
 def gpu_key(ref: GpuRef) -> str:

@@ -57,6 +57,7 @@ class NodeCheck(Check):
     # True: judged only once every scheduled check has run (it judges what they concluded). False: judged
     # from the first sweep on (the readiness check, which says which checks are still to run).
     needs_all_checks: ClassVar[bool] = True
+    judge_order: ClassVar[int] = 0              # node checks are judged in this order (ties: by name)
 
     @abstractmethod
     def judge(self, view: NodeView) -> CheckOutput:
@@ -79,10 +80,12 @@ def sweep_view(sweep: SweepResult, problems: Sequence[Problem], node_scoped: fro
                     maintenance=node_status.maintenance() if node_status is not None else "")
 
 
-def judge_node(checks: Sequence[NodeCheck], view: NodeView,
-               evaluate: Callable[[CheckRun], list[Problem]]) -> list[tuple[CheckRun, list[Problem]]]:
+def judge_node(checks: Sequence[NodeCheck], view: NodeView, evaluate: Callable[[CheckRun], list[Problem]],
+               holding: Callable[[str], list[Problem]] | None = None) -> list[tuple[CheckRun, list[Problem]]]:
     """Each node check's judgement as a run, like a swept check's (a broken one is an error run), and what
-    `evaluate` (the rules) made of it. In order: each check sees what those before it concluded."""
+    `evaluate` (the rules) made of it. In order: each check sees what those before it concluded — what
+    `holding(check)` says it holds now (the agent's held problems, a cure being verified included), else
+    what its rules found."""
     judged: list[tuple[CheckRun, list[Problem]]] = []
     for check in checks:
         t0 = time.monotonic()
@@ -94,5 +97,5 @@ def judge_node(checks: Sequence[NodeCheck], view: NodeView,
             run = finished_run(check, output, elapsed_ms(t0))
         found = evaluate(run)
         judged.append((run, found))
-        view = replace(view, concluded=(*view.concluded, *found))
+        view = replace(view, concluded=(*view.concluded, *(holding(check.name) if holding else found)))
     return judged

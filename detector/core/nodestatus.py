@@ -50,6 +50,8 @@ class NodeStatus:
     conditions: Mapping[str, NodeCondition] = field(default_factory=dict)   # by type
     dra_devices: tuple[DraDevice, ...] | None = None           # None: not read (DRA off, or not permitted)
     dra_error: str = ""                                         # why the ResourceSlices could not be read
+    taints: tuple[str, ...] = ()                                # "key=value:Effect", as kubectl shows them
+    unschedulable: bool = False                                 # cordoned
 
     def count(self, resource: str, allocatable: bool = True) -> int | None:
         """An extended resource's count (`nvidia.com/gpu`), None when the node does not advertise it."""

@@ -31,9 +31,17 @@ def node_status(node: Mapping[str, Any], read_at: float, dra_devices: tuple[DraD
             conditions[c["type"]] = NodeCondition(str(c["type"]), str(c.get("status", "Unknown")),
                                                   str(c.get("reason") or ""), str(c.get("message") or ""),
                                                   parse_time(c.get("lastTransitionTime")))
+    spec = node.get("spec") or {}
+    taints = tuple(_taint(t) for t in spec.get("taints") or [] if isinstance(t, dict) and t.get("key"))
     return NodeStatus(str(metadata.get("name", "")), read_at, _strings(status.get("capacity")),
                       _strings(status.get("allocatable")), _strings(metadata.get("labels")),
-                      _strings(metadata.get("annotations")), conditions, dra_devices, dra_error)
+                      _strings(metadata.get("annotations")), conditions, dra_devices, dra_error, taints,
+                      bool(spec.get("unschedulable")))
+
+
+def _taint(taint: Mapping[str, Any]) -> str:
+    value = f"={taint['value']}" if taint.get("value") else ""
+    return f"{taint['key']}{value}:{taint.get('effect', '')}"
 
 
 def dra_devices(slices: Iterable[Mapping[str, Any]], node: str,

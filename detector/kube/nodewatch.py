@@ -9,7 +9,7 @@ asked again only every `refused_retry_s`. Nothing here raises into the daemon: `
 NodeStatus (None until the node was read, or while it does not exist).
 
 `on_change` fires only when something a check reads changed: capacity, allocatable, labels,
-annotations, a condition's type, status or reason, the DRA devices. kubelet writes the node's status every
+annotations, a condition's type, status or reason, taints, the cordon, the DRA devices. kubelet writes the node's status every
 10 s to 1 min (heartbeats, images, resourceVersion), which must not wake the node checks each time.
 
 ResourceSlices (`read_slices`: the `allocatable` check or --dra-taints needs them) are watched too, not
@@ -69,7 +69,7 @@ def signature(status: NodeStatus | None) -> tuple | None:
         return None
     return (status.name, _items(status.capacity), _items(status.allocatable), _items(status.labels),
             _items(status.annotations), tuple(sorted((c.type, c.status, c.reason) for c in status.conditions.values())),
-            status.dra_devices, status.dra_error)
+            status.dra_devices, status.dra_error, tuple(sorted(status.taints)), status.unschedulable)
 
 
 class _Follow:

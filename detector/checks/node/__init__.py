@@ -78,10 +78,11 @@ class NodeStateCheck(NodeCheck):
 
     def judge(self, view: NodeView) -> CheckOutput:
         history = self._open(view)
-        history.note_boot(view.boot, view.now)
+        boot = history.note_boot(view.boot, view.now, view.maintenance)
         for problem in _critical(view.held + view.found):
             history.note_problem(view.boot, f"{problem.type}/{problem.reason}", view.now)
-        self._note_incidents(history, view)
+        if not boot.maintenance:               # KEP-5683: a boot of planned maintenance is no GPU's fault
+            self._note_incidents(history, view)
         history.prune(view.now)
         try:
             history.save()
@@ -105,6 +106,7 @@ class NodeStateCheck(NodeCheck):
         return self._history
 
     def _note_incidents(self, history: History, view: NodeView) -> None:
+        """Each GPU's incidents of this boot (not for a boot that began under planned maintenance)."""
         actions = set(self.config["incident_actions"])
         for problem in _critical(view.held + view.found):
             if problem.action not in actions:
@@ -121,7 +123,7 @@ class NodeStateCheck(NodeCheck):
     # -- observations ---------------------------------------------------------------------------------
 
     def _node_observation(self, history: History, view: NodeView) -> Observation:
-        failed = [h for h in view.health if h.state == FAILED]
+        failed = [h for h in view.health if h.state == FAILED and not h.verifying]   # a cure being verified
         remediable = set(self.config["remediable_actions"])
         node_wide = [p for p in _critical(view.held)
                      if (not p.gpus or p.rule in view.node_scoped) and p.action in remediable]
@@ -131,7 +133,7 @@ class NodeStateCheck(NodeCheck):
             "gpus": len(view.health),
             "failed_gpus": len(failed),
             "rebootable_failed_gpus": sum(h.action in remediable for h in failed),
-            "degraded_gpus": sum(h.state == DEGRADED for h in view.health),
+            "degraded_gpus": sum(h.state == DEGRADED and not h.verifying for h in view.health),
             "failed_list": ", ".join(_named(h) for h in failed if h.action in remediable),
             "node_problems": len(node_wide),
             "node_problem_list": ", ".join(dict.fromkeys(f"{p.type} {p.reason}" for p in node_wide)),

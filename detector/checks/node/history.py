@@ -33,6 +33,8 @@ class BootRecord:
     boot: str
     first_seen: float                       # when gpu-npd first saw this boot (soon after it began)
     problems: dict[str, float] = field(default_factory=dict)   # problem key -> first seen in this boot
+    maintenance: str = ""                   # the planned maintenance it began in ("" if none): such a boot
+                                            # counts towards neither remediation loops nor flaky GPUs
 
 
 @dataclass(frozen=True)
@@ -81,11 +83,11 @@ class History:
 
     # -- learning -------------------------------------------------------------------------------------
 
-    def note_boot(self, boot: str, now: float) -> BootRecord:
+    def note_boot(self, boot: str, now: float, maintenance: str = "") -> BootRecord:
         for record in reversed(self.boots):
             if record.boot == boot:
                 return record
-        record = BootRecord(boot, now)
+        record = BootRecord(boot, now, maintenance=maintenance)
         self.boots.append(record)
         self._dirty = True
         return record
@@ -131,7 +133,7 @@ class History:
     def loop(self, boot: str, window_s: float, now: float) -> Loop | None:
         """The problems of this boot that came back after the most reboots within the window: each reboot
         counted began in the window and followed a boot that had the same problem."""
-        order = sorted(self.boots, key=lambda b: b.first_seen)
+        order = sorted((b for b in self.boots if not b.maintenance), key=lambda b: b.first_seen)
         current = next((i for i, b in enumerate(order) if b.boot == boot), None)
         if current is None:
             return None
@@ -196,7 +198,8 @@ def _parse(data: Any) -> tuple[list[BootRecord], dict[str, GpuRecord]]:
         found = data.get("version") if isinstance(data, dict) else None
         raise ValueError(f"version {found!r}, this gpu-npd reads {VERSION}")
     boots = [BootRecord(str(b["boot"]), float(b["first_seen"]),
-                        {str(k): float(v) for k, v in b.get("problems", {}).items()}) for b in data["boots"]]
+                        {str(k): float(v) for k, v in b.get("problems", {}).items()}, str(b.get("maintenance", "")))
+             for b in data["boots"]]
     gpus: dict[str, GpuRecord] = {}
     for g in data["gpus"]:
         record = GpuRecord(str(g["key"]), g.get("serial"), g.get("uuid"), g.get("pci_bus_id"), g.get("index"),

@@ -53,7 +53,7 @@ def test_a_refusal_is_one_error_naming_verb_resource_and_the_fix_until_it_is_cur
     lines = said()
     assert [level for level, _ in lines] == ["ERROR", "ERROR"]
     assert lines[0][1].startswith("the API server forbids gpu-npd to patch nodes/status (403 Forbidden): grant it "
-                                  "as deploy/base/rbac.yaml does (get nodes, patch nodes/status, create and patch "
+                                  "as deploy/base/rbac.yaml does (get, list and watch nodes, patch nodes/status, create and patch "
                                   "events)")
     state = health.state()
     assert not state.reporting and "patch nodes/status" in state.detail and "create events" in state.detail

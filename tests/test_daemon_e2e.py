@@ -220,7 +220,7 @@ def test_a_missing_permission_is_one_clear_line_and_checks_go_on(emulator, tmp_p
             refusals = [r for r in caplog.records if r.levelno >= logging.ERROR and r.name.startswith("gpu_npd.kube")]
             assert len(refusals) == 1, [r.getMessage() for r in refusals]
             line = refusals[0].getMessage()
-            assert "forbids gpu-npd to patch nodes/status" in line and "get nodes, patch nodes/status" in line
+            assert "forbids gpu-npd to patch nodes/status" in line and "get, list and watch nodes, patch nodes/status" in line
             assert narrow.request_count(verb="patch", resource="nodes/status") <= 2   # asked again rarely
         finally:
             local.stop()

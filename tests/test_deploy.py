@@ -217,8 +217,10 @@ def test_cluster_role_grants_exactly_what_gpu_npd_needs():
         assert set(rule) == {"apiGroups", "resources", "verbs"}, f"unexpected keys in {rule}"
         granted |= {(group, resource, verb) for group in rule["apiGroups"]
                     for resource in rule["resources"] for verb in rule["verbs"]}
-    assert granted == {("", "nodes", "get"), ("", "nodes/status", "patch"),
-                       ("", "events", "create"), ("", "events", "patch")}
+    assert granted == {("", "nodes", "get"), ("", "nodes", "list"), ("", "nodes", "watch"),
+                       ("", "nodes/status", "patch"), ("", "events", "create"), ("", "events", "patch"),
+                       ("resource.k8s.io", "resourceslices", "get"), ("resource.k8s.io", "resourceslices", "list"),
+                       ("resource.k8s.io", "resourceslices", "watch")}
     assert "aggregationRule" not in role
 
 
@@ -227,8 +229,7 @@ def test_dra_taints_role_grants_only_what_device_taints_need(daemonset):
     role = find("ClusterRole", "gpu-npd-dra-taints")
     granted = {(g, r, v) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"]
                for v in rule["verbs"]}
-    assert granted == {("resource.k8s.io", "resourceslices", "list")} | {
-        ("resource.k8s.io", "devicetaintrules", v) for v in ("get", "list", "create", "update", "delete")}
+    assert granted == {("resource.k8s.io", "devicetaintrules", v) for v in ("get", "list", "create", "update", "delete")}
     binding = find("ClusterRoleBinding", "gpu-npd-dra-taints")
     assert binding["roleRef"]["name"] == "gpu-npd-dra-taints"
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "gpu-npd", "namespace": NAMESPACE}]
@@ -446,12 +447,13 @@ def test_nccl_dockerfile_builds_nccl_tests_where_the_job_looks():
 
 # --- KWOK: the fleet simulator
 
-def test_simulator_role_adds_only_list_and_create_nodes_to_the_daemon_role():
+def test_simulator_role_adds_only_create_and_patch_nodes_to_the_daemon_role():
+    """The simulator's nodes are its own (create, annotate); it reads no ResourceSlice of a real DRA driver."""
     daemon = {(r, v) for rule in find("ClusterRole", "gpu-npd")["rules"] for r in rule["resources"] for v in rule["verbs"]}
     sim = {(r, v) for rule in find("ClusterRole", "gpu-npd-simulator")["rules"]
            for r in rule["resources"] for v in rule["verbs"]}
-    assert sim - daemon == {("nodes", "list"), ("nodes", "watch"), ("nodes", "create"), ("nodes", "patch")}
-    assert daemon <= sim
+    assert sim - daemon == {("nodes", "create"), ("nodes", "patch")}
+    assert daemon - sim <= {("resourceslices", v) for v in ("get", "list", "watch")}
 
 
 def test_simulator_statefulset_runs_the_fleet_file_as_non_root_one_shard_per_pod(tmp_path, registry):

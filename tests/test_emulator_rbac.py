@@ -59,8 +59,8 @@ def test_service_account_can_do_what_deploy_base_grants(emulator, sa):
 
 def test_service_account_gets_kubernetes_exact_403_for_the_rest(emulator, sa):
     sa.create_namespaced_event("default", event("n1.a"))
-    assert forbidden(sa.list_node) == (
-        f'nodes is forbidden: {DENIED} list resource "nodes" in API group "" at the cluster scope')
+    assert forbidden(lambda: sa.create_node({"metadata": {"name": "n2"}})) == (
+        f'nodes is forbidden: {DENIED} create resource "nodes" in API group "" at the cluster scope')
     assert forbidden(lambda: sa.patch_node("n1", {"metadata": {"labels": {"a": "b"}}})) == (
         f'nodes "n1" is forbidden: {DENIED} patch resource "nodes" in API group "" at the cluster scope')
     assert forbidden(lambda: sa.replace_node_status("n1", emulator.node("n1"))) == (

@@ -307,10 +307,10 @@ def test_nodes_get_their_kubelet_lease(emulator):
 
 def test_watch_is_authorized_as_its_own_verb(emulator):
     emulator.create_node("a")
-    code, status = call(emulator, "GET", "/api/v1/nodes?watch=1", user=SA)
+    code, status = call(emulator, "GET", "/api/v1/namespaces/default/events?watch=1", user=SA)   # create, patch only
     assert code == 403
-    assert status["message"] == (f'nodes is forbidden: User "{SA}" cannot watch resource "nodes" in API group "" '
-                                 "at the cluster scope")
+    assert status["message"] == (f'events is forbidden: User "{SA}" cannot watch resource "events" in API group "" '
+                                 'in the namespace "default"')
     code, status = call(emulator, "GET", "/apis/coordination.k8s.io/v1/namespaces/gpu-npd/leases?watch=1", user=SA)
     assert code == 403 and 'cannot watch resource "leases" in API group "coordination.k8s.io"' in status["message"]
     code, status = call(emulator, "GET", "/api/v1/pods", user=SA)

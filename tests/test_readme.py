@@ -169,6 +169,7 @@ RUN: dict[str, Spec] = {
     ".venv/bin/python bench/live_flood.py": Spec(append="--lines 2000", why=SCALED),
     ".venv/bin/python bench/latency.py": Spec(append="-n 3", why=SCALED),
     ".venv/bin/python bench/footprint.py": Spec(append="--duration 1 --settle 1", why=SCALED),
+    ".venv/bin/python bench/node_watch.py": Spec(append="--hour-s 2 --settle 360", why=SCALED),
     ".venv/bin/python bench/fleet.py": Spec(
         append="--nodes 10 --start-spread 1 --settle 1 --steady 1 --fault-timeout 60", why=SCALED, timeout=120),
     ".venv/bin/python bench/fleet.py --nodes 30000 --shards 4": Spec(
@@ -582,7 +583,7 @@ def test_emulator_runs_outside_the_repository(tmp_path: Path):
     try:
         assert f"RBAC from {packaged_deploy_dir() / 'base'}" in out
         assert api_status(tmp_path / "kc.yaml", "/api/v1/nodes/gpu-17") == 200
-        assert api_status(tmp_path / "kc.yaml", "/api/v1/nodes") == 403
+        assert api_status(tmp_path / "kc.yaml", "/api/v1/namespaces/default/pods") == 403
     finally:
         assert bg.stop() == 0
 
@@ -592,8 +593,8 @@ def test_emulator_deploy_dir(tmp_path: Path):
     deploy = tmp_path / "deploy"
     (deploy / "base").mkdir(parents=True)
     text = (REPO / "deploy" / "base" / "rbac.yaml").read_text()
-    assert 'verbs: ["get"]' in text
-    (deploy / "base" / "rbac.yaml").write_text(text.replace('verbs: ["get"]', 'verbs: ["list"]', 1))
+    assert 'verbs: ["get", "list", "watch"]' in text
+    (deploy / "base" / "rbac.yaml").write_text(text.replace('verbs: ["get", "list", "watch"]', 'verbs: ["list"]', 1))
     gpu_npd = str(Path(sys.prefix) / "bin" / "gpu-npd")
     bg, out = run_emulator([gpu_npd, "emulator", "--deploy-dir", str(deploy), "--kubeconfig-out", "kc.yaml",
                             "--node", "gpu-17"], tmp_path)
@@ -627,7 +628,7 @@ def test_emulator_as_installed(tmp_path: Path):
     try:
         assert f"RBAC from {site / 'kube_emulator' / 'deploy' / 'base'}" in out
         assert api_status(tmp_path / "kc.yaml", "/api/v1/nodes/n1") == 200
-        assert api_status(tmp_path / "kc.yaml", "/api/v1/nodes") == 403
+        assert api_status(tmp_path / "kc.yaml", "/api/v1/namespaces/default/pods") == 403
     finally:
         assert bg.stop() == 0
 

@@ -19,6 +19,7 @@ from detector.daemon.logs import setup_logging
 from detector.daemon.run import Daemon, DaemonSettings
 from detector.kube.device_taints import DeviceTaintSettings
 from detector.kube.events import EventSettings
+from detector.kube.nodewatch import NodeWatchSettings
 from detector.kube.reporter import ReporterSettings
 
 DEFAULT_LISTEN = "0.0.0.0:9808"
@@ -75,6 +76,11 @@ def add_daemon_parsers(sub: Any) -> None:
                    help="one more event allowed every S seconds after the burst (default 300)")
     r.add_argument("--start-spread", type=float, default=10.0, metavar="S",
                    help="spread the checks' first runs over S seconds (default 10)")
+    r.add_argument("--no-node-watch", action="store_true",
+                   help="do not watch this node: checks that read the node object (the allocatable check, "
+                        "maintenance) judge without it. For sites that cannot grant list and watch on nodes; "
+                        "by default one watch on this node (field selector on its name) and, when the "
+                        "allocatable check or --dra-taints needs them, on its ResourceSlices")
     r.add_argument("--verify-sweeps", type=int, default=3, metavar="N",
                    help="a cure (a reboot, a GPU back) is trusted only after every check passed N rounds since: "
                         "until then a failed GPU stays fenced and the node's remediation ask stays (default 3; "
@@ -159,6 +165,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             degraded_effect=None if args.dra_taint_degraded_effect == "None" else args.dra_taint_degraded_effect,
             failed_effect=None if args.dra_taint_failed_effect == "None" else args.dra_taint_failed_effect)
         if args.dra_taints and not args.no_kube else None,
+        node_watch=None if args.no_node_watch else NodeWatchSettings(),
     )
     try:
         daemon = Daemon(host, checks, ruleset, api, settings)

@@ -7,6 +7,9 @@
 - sender: reads the node, then sends conditions and events when they change or are due, backing off when
   the API server is unwell, so a slow, absent or refusing API server never delays a check;
 - dra-taints (only with --dra-taints): keeps a DeviceTaintRule per failed or degraded GPU (device_taints.py);
+- node-watch (with an API server, unless --no-node-watch): one watch on this node (and its ResourceSlices
+  when the allocatable check or DRA taints need them) that is Host.node_status, and judges the node again
+  at once when something a check reads changed (nodewatch.py);
 - endpoints: /metrics, /healthz (the daemon's own loops are turning: an API outage never gets the pod
   killed) and /readyz (reports are reaching the API server).
 SIGTERM sets `stop`; every loop wakes within a second and the daemon exits within a few seconds, abandoning
@@ -34,12 +37,14 @@ from detector.kube.api import KubeApi
 from detector.kube.conditions import MARKER, MESSAGE_LIMIT
 from detector.kube.device_taints import DeviceTaintSettings, DeviceTaintSink
 from detector.kube.health import ApiHealth, ReportingState
+from detector.kube.nodewatch import NodeWatch, NodeWatchSettings
 from detector.kube.reporter import KubeReporter, ReporterSettings
 from detector.rules.loader import RuleSet
 
 log = logging.getLogger("gpu_npd.daemon")
 
 EXIT_OK = 0
+ALLOCATABLE_CHECK = "allocatable"   # compares the node's advertised GPUs with NVML's: reads ResourceSlices
 STALL_S = 120.0          # /healthz fails when the scheduler has not come round for this long
 SHUTDOWN_WAIT_S = 2.0    # on SIGTERM, how long the loops get to finish before they are abandoned
 FINAL_SEND_S = 4.0       # ... and the last send; the DaemonSet's grace period is 10 s
@@ -52,6 +57,7 @@ class DaemonSettings:
     reporter: ReporterSettings = field(default_factory=ReporterSettings)
     watch_kernel_log: bool = True
     dra_taints: DeviceTaintSettings | None = None     # opt-in DRA device taints (--dra-taints)
+    node_watch: NodeWatchSettings | None = field(default_factory=NodeWatchSettings)   # None: --no-node-watch
 
 
 class LogSink(AgentSink):
@@ -92,6 +98,14 @@ class Daemon:
             self.device_taints = DeviceTaintSink(api, host.node_name, self.settings.dra_taints, rng=rng)
             if self.reporter is not None:
                 self.device_taints.on_note = self.reporter.note_gpus
+        self.node_watch: NodeWatch | None = None
+        if api is not None and self.settings.node_watch is not None:
+            watch = self.settings.node_watch
+            read_slices = (watch.read_slices or self.settings.dra_taints is not None
+                           or any(c.name == ALLOCATABLE_CHECK for c in checks))
+            self.node_watch = NodeWatch(api, host.node_name, replace(watch, read_slices=read_slices),
+                                        self._node_changed, clock, rng)
+            host.node_status = self.node_watch.current
         sinks = [self.metrics, LogSink()] + ([self.reporter] if self.reporter else [])
         sinks += [self.device_taints] if self.device_taints else []
         agent_settings = replace(self.settings.agent,
@@ -130,6 +144,9 @@ class Daemon:
         threads = [self._spawn("scheduler", self._schedule_loop)]
         if self.reporter is not None:
             threads.append(self._spawn("sender", self._send_loop))
+        if self.node_watch is not None:
+            node_watch = self.node_watch
+            threads.append(self._spawn("node-watch", lambda: node_watch.run(self.stop)))
         if self.device_taints is not None:
             taints = self.device_taints
             threads.append(self._spawn("dra-taints", lambda: taints.run(self.stop)))
@@ -175,6 +192,11 @@ class Daemon:
         t = threading.Thread(target=target, name=name, daemon=True)
         t.start()
         return t
+
+    def _node_changed(self) -> None:
+        """The node watch saw something a check reads change: judge the node again now."""
+        self.agent.kick_node_checks()
+        self._kick.set()
 
     # -- loops ----------------------------------------------------------------------------------
 

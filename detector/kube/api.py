@@ -1,5 +1,7 @@
-"""The API calls gpu-npd makes (the daemon: four, and with --dra-taints the resource.k8s.io ones; the fleet simulator also lists, watches and annotates
-its nodes), with a client-side QPS limit.
+"""The API calls gpu-npd makes (the daemon: get its node, patch its status, create and patch events, and
+one list-then-watch of its own node; ResourceSlices and, with --dra-taints, DeviceTaintRules of
+resource.k8s.io; the fleet simulator also lists, watches and annotates its nodes), with a client-side QPS
+limit.
 
 Responses are plain JSON (no model objects): cheap in memory and CPU, which matters when one simulator
 process speaks for thousands of nodes. Failures become ApiError with what a caller needs to decide:
@@ -94,11 +96,6 @@ class KubeApi:
         """The fleet simulator's adoption of existing (KWOK) nodes; the daemon never lists."""
         return self.list_node_collection(label_selector).get("items", [])
 
-    def list_node_collection(self, label_selector: str = "") -> dict[str, Any]:
-        """The NodeList itself: its metadata.resourceVersion is where a watch of the same nodes starts."""
-        query = f"?labelSelector={quote(label_selector)}" if label_selector else ""
-        return self._call("list", "nodes", "GET", f"/api/v1/nodes{query}")
-
     def list_node_page(self, label_selector: str = "", limit: int = 500, continue_token: str = "") -> dict[str, Any]:
         """One page of a chunked LIST (`gpu-npd fleet`): at most `limit` nodes, and metadata.continue when
         more follow (a 410 Gone when that token's snapshot has expired: list again)."""
@@ -107,33 +104,21 @@ class KubeApi:
         return self._call("list", "nodes", "GET", f"/api/v1/nodes?{query}")
 
     def watch_nodes(self, label_selector: str, resource_version: str, timeout_s: int = WATCH_TIMEOUT_S,
-                    on_open: Callable[[urllib3.BaseHTTPResponse], None] | None = None) -> Iterator[dict[str, Any]]:
+                    on_open: Callable[[urllib3.BaseHTTPResponse], None] | None = None,
+                    field_selector: str = "") -> Iterator[dict[str, Any]]:
         """Watch events ({"type": ADDED|MODIFIED|DELETED|BOOKMARK, "object": ...}) of the nodes matching
-        `label_selector`, from `resource_version` on, with bookmarks, until the server ends the watch
-        (after about `timeout_s`). An ERROR event raises ApiError with its Status (410: start again from a
-        fresh list); a broken connection raises ApiError(0). `on_open` gets the open response, so another
-        thread can end the watch at once (its shutdown())."""
-        query = (f"?watch=1&allowWatchBookmarks=true&resourceVersion={quote(resource_version)}"
-                 f"&timeoutSeconds={int(timeout_s)}" + (f"&labelSelector={quote(label_selector)}" if label_selector else ""))
-        read_timeout = urllib3.Timeout(connect=5.0, read=timeout_s + 30.0)
-        response = self._send("watch", "nodes", "GET", f"/api/v1/nodes{query}", timeout=read_timeout, stream=True)
-        if on_open is not None:
-            on_open(response)
-        try:
-            for line in _lines(response):
-                event = json.loads(line)
-                if event.get("type") == "ERROR":
-                    status = event.get("object") or {}
-                    raise ApiError(int(status.get("code") or 500), status.get("reason") or "Error",
-                                   status.get("message") or "watch error", None, "watch", "nodes")
-                yield event
-        except (urllib3.exceptions.HTTPError, OSError) as e:
-            raise ApiError(0, "ConnectionFailed", f"watch ended: {type(e).__name__}: {e}", None,
-                           "watch", "nodes") from None
-        except ValueError:
-            raise ApiError(0, "BadResponse", "a watch event is not JSON", None, "watch", "nodes") from None
-        finally:
-            response.release_conn()
+        `label_selector` and `field_selector` (`metadata.name=<node>`: the daemon's one node), from
+        `resource_version` on, with bookmarks, until the server ends the watch (after about `timeout_s`).
+        An ERROR event raises ApiError with its Status (410: start again from a fresh list); a broken
+        connection raises ApiError(0). `on_open` gets the open response, so another thread can end the
+        watch at once (its shutdown())."""
+        return self._watch("nodes", "/api/v1/nodes", resource_version, timeout_s, on_open,
+                           label_selector, field_selector)
+
+    def list_node_collection(self, label_selector: str = "", field_selector: str = "") -> dict[str, Any]:
+        """The NodeList itself: its metadata.resourceVersion is where a watch of the same nodes starts."""
+        return self._call("list", "nodes", "GET", "/api/v1/nodes" + _query(labelSelector=label_selector,
+                                                                           fieldSelector=field_selector))
 
     def patch_node_annotations(self, name: str, annotations: dict[str, str | None]) -> dict[str, Any]:
         """Set (or, with None, remove) annotations on a node: a merge patch of its metadata only."""
@@ -167,9 +152,21 @@ class KubeApi:
         return self._call("get", "discovery", "GET", f"/apis/{quote(group)}/{quote(version)}")
 
     def list_resource_slices(self, version: str, field_selector: str = "") -> list[dict[str, Any]]:
-        query = f"?fieldSelector={quote(field_selector)}" if field_selector else ""
-        return self._call("list", "resourceslices", "GET",
-                          f"/apis/resource.k8s.io/{quote(version)}/resourceslices{query}").get("items", [])
+        return self.list_resource_slice_collection(version, field_selector).get("items", [])
+
+    def list_resource_slice_collection(self, version: str, field_selector: str = "") -> dict[str, Any]:
+        """The ResourceSliceList itself: its metadata.resourceVersion is where a watch of the same slices
+        starts."""
+        return self._call("list", "resourceslices", "GET", f"/apis/resource.k8s.io/{quote(version)}/resourceslices"
+                          + _query(fieldSelector=field_selector))
+
+    def watch_resource_slices(self, version: str, field_selector: str, resource_version: str,
+                              timeout_s: int = WATCH_TIMEOUT_S,
+                              on_open: Callable[[urllib3.BaseHTTPResponse], None] | None = None
+                              ) -> Iterator[dict[str, Any]]:
+        """As watch_nodes, for ResourceSlices (`spec.nodeName=<node>,spec.driver=<driver>`: one node's)."""
+        return self._watch("resourceslices", f"/apis/resource.k8s.io/{quote(version)}/resourceslices",
+                           resource_version, timeout_s, on_open, "", field_selector)
 
     def list_device_taint_rules(self, version: str, label_selector: str = "") -> list[dict[str, Any]]:
         query = f"?labelSelector={quote(label_selector)}" if label_selector else ""
@@ -192,6 +189,31 @@ class KubeApi:
     def delete_device_taint_rule(self, version: str, name: str) -> dict[str, Any]:
         return self._call("delete", "devicetaintrules", "DELETE",
                           f"/apis/resource.k8s.io/{quote(version)}/devicetaintrules/{quote(name)}", name=name)
+
+    def _watch(self, resource: str, path: str, resource_version: str, timeout_s: int,
+               on_open: Callable[[urllib3.BaseHTTPResponse], None] | None, label_selector: str = "",
+               field_selector: str = "") -> Iterator[dict[str, Any]]:
+        query = _query(watch="1", allowWatchBookmarks="true", resourceVersion=resource_version,
+                       timeoutSeconds=str(int(timeout_s)), labelSelector=label_selector, fieldSelector=field_selector)
+        read_timeout = urllib3.Timeout(connect=5.0, read=timeout_s + 30.0)
+        response = self._send("watch", resource, "GET", path + query, timeout=read_timeout, stream=True)
+        if on_open is not None:
+            on_open(response)
+        try:
+            for line in _lines(response):
+                event = json.loads(line)
+                if event.get("type") == "ERROR":
+                    status = event.get("object") or {}
+                    raise ApiError(int(status.get("code") or 500), status.get("reason") or "Error",
+                                   status.get("message") or "watch error", None, "watch", resource)
+                yield event
+        except (urllib3.exceptions.HTTPError, OSError) as e:
+            raise ApiError(0, "ConnectionFailed", f"watch ended: {type(e).__name__}: {e}", None,
+                           "watch", resource) from None
+        except ValueError:
+            raise ApiError(0, "BadResponse", "a watch event is not JSON", None, "watch", resource) from None
+        finally:
+            response.release_conn()
 
     def _pace(self) -> None:
         with self._limiter_lock:
@@ -243,6 +265,12 @@ class KubeApi:
     def _heard(self, error: ApiError) -> None:
         if self.health is not None:
             self.health.record(error.verb, error.resource, error.status, error.message, error.name)
+
+
+def _query(**params: str) -> str:
+    """`?a=1&b=2` of the parameters that are set (in the order given), each value quoted."""
+    text = "&".join(f"{k}={quote(v)}" for k, v in params.items() if v)
+    return f"?{text}" if text else ""
 
 
 def _lines(response: urllib3.BaseHTTPResponse) -> Iterator[bytes]:

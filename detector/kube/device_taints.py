@@ -52,25 +52,25 @@ from typing import Any, Callable
 from detector.agent.agent import AgentSink
 from detector.core.domain import key
 from detector.core.gpu_health import DEGRADED, FAILED, GpuHealth, gpu_key
+from detector.core.nodestatus import DraDevice
 from detector.core.pciaddr import normalize_bus_id
 from detector.kube.api import ApiError, KubeApi
+from detector.kube.dra import GROUP, discover
+from detector.kube.node_status import NVIDIA_DRA_DRIVER, dra_devices
 from detector.kube.pacing import Backoff
 
 log = logging.getLogger("gpu_npd.dra")
 
-GROUP = "resource.k8s.io"
-NVIDIA_DRIVER = "gpu.nvidia.com"
+NVIDIA_DRIVER = NVIDIA_DRA_DRIVER
 TAINT_KEY = key("gpu-unhealthy")
 MANAGED_BY = key("managed-by")
 MANAGER = "gpu-npd"
 NODE_LABEL = key("node")
 GPU_ANNOTATION = key("gpu")               # the GPU's bus id or UUID: which GPU a rule is about
 REASONS_ANNOTATION = key("reasons")
-UUID_ATTRIBUTES = ("uuid", f"{NVIDIA_DRIVER}/uuid")
-BUS_ID_ATTRIBUTES = ("resource.kubernetes.io/pciBusID", "pciBusID", f"{NVIDIA_DRIVER}/pciBusID")
 EFFECTS = ("NoSchedule", "NoExecute")          # None (Python's) in the settings: no taint for that state
-RBAC_HINT = ("deploy/overlays/dra-taints does (list resourceslices; get, list, create, update and delete "
-             "devicetaintrules), as does the Helm chart with draTaints.enabled=true")
+RBAC_HINT = ("deploy/overlays/dra-taints does (get, list, create, update and delete devicetaintrules; "
+             "deploy/base lists resourceslices), as does the Helm chart with draTaints.enabled=true")
 NAME_LIMIT = 63
 
 
@@ -109,12 +109,6 @@ def _label_value(text: str) -> str:
 
 
 @dataclass(frozen=True)
-class _Device:
-    pool: str
-    name: str
-
-
-@dataclass(frozen=True)
 class _Want:
     """One GPU that should be tainted now."""
     gpu: str            # gpu_key
@@ -149,7 +143,7 @@ class DeviceTaintSink(AgentSink):
         self.on_note: Callable[[str], None] | None = None   # told each change of the note (the conditions)
         self.rule_version: str | None = None
         self.slice_version: str | None = None
-        self._devices: dict[str, _Device] | None = None     # "uuid:..."/"bus:..." -> device; None: not listed
+        self._devices: dict[str, DraDevice] | None = None     # "uuid:..."/"bus:..." -> device; None: not listed
         self._listed_at = -1e18
         self._rules: dict[str, dict[str, Any]] | None = None  # our rules on the server, by name
         self._said: set[str] = set()
@@ -295,27 +289,12 @@ class DeviceTaintSink(AgentSink):
     def _discover(self) -> bool:
         """Find the resource.k8s.io versions serving DeviceTaintRules and ResourceSlices. False when the
         cluster serves no DeviceTaintRule (then the sink is off)."""
-        try:
-            group = self.api.get_api_group(GROUP)
-        except ApiError as e:
-            if e.status != 404:
-                raise
-            group = {}
-        versions = [v.get("version", "") for v in group.get("versions") or []]
-        for version in versions:
-            try:
-                resources = {r.get("name") for r in self.api.get_api_resources(GROUP, version).get("resources") or []}
-            except ApiError as e:
-                if e.status == 404:
-                    continue
-                raise
-            if "devicetaintrules" in resources and self.rule_version is None:
-                self.rule_version = version
-            if "resourceslices" in resources and self.slice_version is None:
-                self.slice_version = version
+        dra = discover(self.api)
+        self.rule_version = dra.version_of("devicetaintrules")
+        self.slice_version = dra.version_of("resourceslices")
         if self.rule_version is None:
             self.off = True
-            served = ", ".join(versions) or "none"
+            served = ", ".join(dra.versions) or "none"
             self._say_once("off", f"DRA device taints: the cluster serves no DeviceTaintRule ({GROUP} versions: "
                            f"{served}; DeviceTaintRule needs Kubernetes 1.33+ with the DRADeviceTaints feature "
                            "gate and its API version enabled): no GPU is tainted", logging.ERROR)
@@ -327,7 +306,7 @@ class DeviceTaintSink(AgentSink):
 
     def _list_slices(self, now: float) -> None:
         self._listed_at = now
-        devices: dict[str, _Device] = {}
+        devices: dict[str, DraDevice] = {}
         if self.slice_version is not None:
             selector = f"spec.nodeName={self.node},spec.driver={self.settings.driver}"
             try:
@@ -336,23 +315,11 @@ class DeviceTaintSink(AgentSink):
                 if e.status != 400:                 # a version without these field selectors: filter here
                     raise
                 slices = self.api.list_resource_slices(self.slice_version)
-            for s in slices:
-                spec = s.get("spec") or {}
-                if spec.get("nodeName") != self.node or spec.get("driver") != self.settings.driver:
-                    continue
-                pool = (spec.get("pool") or {}).get("name", "")
-                for d in spec.get("devices") or []:
-                    device = _Device(pool, d.get("name", ""))
-                    attributes = d.get("attributes") or (d.get("basic") or {}).get("attributes") or {}
-                    for name in UUID_ATTRIBUTES:
-                        if value := _attribute(attributes, name):
-                            devices[f"uuid:{value}"] = device
-                    for name in BUS_ID_ATTRIBUTES:
-                        if value := _attribute(attributes, name):
-                            try:
-                                devices[f"bus:{normalize_bus_id(value)}"] = device
-                            except ValueError:
-                                pass
+            for device in dra_devices(slices, self.node, self.settings.driver):
+                if device.uuid:
+                    devices[f"uuid:{device.uuid}"] = device
+                if device.pci_bus_id:
+                    devices[f"bus:{device.pci_bus_id}"] = device
         self._devices = devices
         if devices:
             self._said.discard("no-slice")
@@ -360,7 +327,7 @@ class DeviceTaintSink(AgentSink):
             self._say_once("no-slice", f"DRA device taints: node {self.node} has no ResourceSlice of driver "
                            f"{self.settings.driver} (is the NVIDIA DRA driver running here?): no GPU is tainted")
 
-    def _device(self, w: _Want) -> _Device | None:
+    def _device(self, w: _Want) -> DraDevice | None:
         if not self._devices:
             return None
         if w.uuid and (d := self._devices.get(f"uuid:{w.uuid}")):
@@ -372,7 +339,7 @@ class DeviceTaintSink(AgentSink):
                 return None
         return None
 
-    def _body(self, w: _Want, device: _Device) -> dict[str, Any]:
+    def _body(self, w: _Want, device: DraDevice) -> dict[str, Any]:
         selector: dict[str, str] = {"driver": self.settings.driver, "pool": device.pool, "device": device.name}
         if self.settings.device_class_name:
             selector = {"deviceClassName": self.settings.device_class_name, **selector}
@@ -424,13 +391,6 @@ class DeviceTaintSink(AgentSink):
                 raise
         self._rules.pop(name, None)
         log.info("DRA device taints: removed %s (its GPU is no longer unhealthy)", name)
-
-
-def _attribute(attributes: dict[str, Any], name: str) -> str:
-    value = attributes.get(name)
-    if isinstance(value, dict):
-        value = value.get("string", value.get("version"))
-    return value if isinstance(value, str) else ""
 
 
 def _same(current: dict[str, Any], body: dict[str, Any]) -> bool:

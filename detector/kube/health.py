@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-RBAC_HINT = "deploy/base/rbac.yaml does (get nodes, patch nodes/status, create and patch events)"
+RBAC_HINT = "deploy/base/rbac.yaml does (get, list and watch nodes, patch nodes/status, create and patch events)"
 
 
 def refusal_line(verb: str, resource: str, status: int, message: str = "", name: str = "",

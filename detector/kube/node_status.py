@@ -14,7 +14,9 @@ from detector.core.pciaddr import normalize_bus_id
 
 NVIDIA_DRA_DRIVER = "gpu.nvidia.com"
 UUID_ATTRIBUTES = ("uuid", f"{NVIDIA_DRA_DRIVER}/uuid")
-BUS_ID_ATTRIBUTES = ("resource.kubernetes.io/pciBusID", "pciBusID", f"{NVIDIA_DRA_DRIVER}/pciBusID")
+# The standard attribute since the driver's 25.12 releases (k8s-dra-driver-gpu PR 800); `pcieBusID` before it
+# (as the slices pasted in kubernetes-sigs/dra-driver-nvidia-gpu issue 719 show).
+BUS_ID_ATTRIBUTES = ("resource.kubernetes.io/pciBusID", "pcieBusID", "pciBusID", f"{NVIDIA_DRA_DRIVER}/pciBusID")
 TYPE_ATTRIBUTES = ("type", f"{NVIDIA_DRA_DRIVER}/type")
 INDEX_ATTRIBUTES = ("index", f"{NVIDIA_DRA_DRIVER}/index")
 
@@ -45,13 +47,20 @@ def _taint(taint: Mapping[str, Any]) -> str:
 def dra_devices(slices: Iterable[Mapping[str, Any]], node: str,
                 driver: str = NVIDIA_DRA_DRIVER) -> tuple[DraDevice, ...]:
     """The devices of `node`'s ResourceSlices of `driver` (attributes sit under devices[].basic before
-    resource.k8s.io/v1beta2, directly under devices[] from it on)."""
+    resource.k8s.io/v1beta2, directly under devices[] from it on). A pool being republished has slices of
+    two generations for a while: only its newest generation counts, as the API asks of every consumer."""
+    mine = [s for s in slices if (s.get("spec") or {}).get("nodeName") == node
+            and (s.get("spec") or {}).get("driver") == driver]
+    newest: dict[str, int] = {}
+    for s in mine:
+        pool = (s.get("spec") or {}).get("pool") or {}
+        newest[str(pool.get("name", ""))] = max(newest.get(str(pool.get("name", "")), 0), _int(pool.get("generation")))
     out = []
-    for s in slices:
+    for s in mine:
         spec = s.get("spec") or {}
-        if spec.get("nodeName") != node or spec.get("driver") != driver:
-            continue
         pool = str((spec.get("pool") or {}).get("name", ""))
+        if _int((spec.get("pool") or {}).get("generation")) < newest[pool]:
+            continue
         for d in spec.get("devices") or []:
             attributes = d.get("attributes") or (d.get("basic") or {}).get("attributes") or {}
             bus = _first(attributes, BUS_ID_ATTRIBUTES)
@@ -84,6 +93,13 @@ def _first(attributes: Mapping[str, Any], names: Iterable[str]) -> str:
         if isinstance(value, (str, int)) and not isinstance(value, bool) and str(value):
             return str(value)
     return ""
+
+
+def _int(value: Any) -> int:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return 0
 
 
 def _strings(mapping: Any) -> dict[str, str]:

@@ -1,0 +1,352 @@
+"""What the cluster says of this node, kept current by one watch on the node itself (not by polling).
+
+The daemon lists its node with a field selector (`metadata.name=<node>`: one object, and the List's
+resourceVersion to start from), then watches from there with bookmarks, so the API server sends only this
+node's changes. A watch the server ends (timeoutSeconds, about 5 minutes) is started again from the last
+resourceVersion seen; 410 Gone (the history no longer reaches back) lists again; a failure waits a
+jittered, doubling backoff; a refusal (401, 403) is said once in the log with the RBAC that grants it, and
+asked again only every `refused_retry_s`. Nothing here raises into the daemon: `current()` is the latest
+NodeStatus (None until the node was read, or while it does not exist).
+
+`on_change` fires only when something a check reads changed: capacity, allocatable, labels,
+annotations, a condition's type, status or reason, taints, the cordon, the DRA devices. kubelet writes the node's status every
+10 s to 1 min (heartbeats, images, resourceVersion), which must not wake the node checks each time.
+
+ResourceSlices (`read_slices`: the `allocatable` check or --dra-taints needs them) are watched too, not
+re-listed on a timer: a watch with the field selector `spec.nodeName=<node>,spec.driver=gpu.nvidia.com`
+asks only for this node's slices of the NVIDIA DRA driver, costs one request per watch period (12 an
+hour, the same as the node's) instead of one a minute for a re-list, and sees a slice republished after a
+GPU was lost at once. The resource.k8s.io version is discovered (kube/dra.py); a cluster serving no
+ResourceSlice leaves `dra_devices` None with no error, one that refuses them says in `dra_error` which
+permission is missing. Both watches use a client of their own (own connections: a watch holds one open for
+minutes), sharing the daemon's request counts but not its ApiHealth, since a refused watch must not mark
+the daemon not ready while its reports still reach the API server.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Iterator
+
+import urllib3
+
+from detector.core.nodestatus import NodeStatus
+from detector.kube.api import WATCH_TIMEOUT_S, ApiError, KubeApi
+from detector.kube.dra import discover
+from detector.kube.health import refusal_line
+from detector.kube.node_status import NVIDIA_DRA_DRIVER, dra_devices, node_status
+from detector.kube.pacing import Backoff
+
+log = logging.getLogger("gpu_npd.kube")
+
+RBAC_HINT = ("deploy/base/rbac.yaml does (get, list and watch nodes; get, list and watch resourceslices), or run "
+             "gpu-npd with --no-node-watch")
+QUICK_END_S = 1.0            # a watch that ends this soon with no event is a failure, not the server's timeout
+NOT_YET = "ResourceSlices not read yet"
+
+Opened = Callable[[urllib3.BaseHTTPResponse], None]
+
+
+@dataclass
+class NodeWatchSettings:
+    timeout_s: int = WATCH_TIMEOUT_S
+    read_slices: bool = False               # the allocatable check or --dra-taints: watch the node's slices too
+    driver: str = NVIDIA_DRA_DRIVER
+    qps: float = 2.0
+    burst: int = 5
+    backoff_base_s: float = 0.5
+    backoff_cap_s: float = 30.0
+    refused_retry_s: float = 300.0          # after a 401/403: ask again this rarely
+
+
+def signature(status: NodeStatus | None) -> tuple | None:
+    """What checks read of a NodeStatus: equal signatures mean nothing a check sees has changed."""
+    if status is None:
+        return None
+    return (status.name, _items(status.capacity), _items(status.allocatable), _items(status.labels),
+            _items(status.annotations), tuple(sorted((c.type, c.status, c.reason) for c in status.conditions.values())),
+            status.dra_devices, status.dra_error, tuple(sorted(status.taints)), status.unschedulable)
+
+
+class _Follow:
+    """One selection kept current: list, then watch from the list's resourceVersion, again and again."""
+
+    def __init__(self, what: str, list_: Callable[[], dict[str, Any]],
+                 watch: Callable[[str, Opened], Iterator[dict[str, Any]]],
+                 reset: Callable[[list[dict[str, Any]]], None], event: Callable[[str, dict[str, Any]], None],
+                 bookmark: Callable[[], None], failed: Callable[[ApiError, float], None],
+                 recovered: Callable[[str], None], backoff: Backoff):
+        self.what, self.list_, self.watch = what, list_, watch
+        self.reset, self.event, self.bookmark, self.failed, self.recovered = reset, event, bookmark, failed, recovered
+        self.backoff = backoff
+        self.version: str | None = None
+        self.lists = self.watches = self.events = 0          # for the tests and the benchmark
+        self._response: urllib3.BaseHTTPResponse | None = None
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def run(self, stop: threading.Event) -> None:
+        while not stop.is_set():
+            try:
+                if self.version is None:
+                    collection = self.list_()
+                    self.lists += 1
+                    self.version = str((collection.get("metadata") or {}).get("resourceVersion") or "0")
+                    self.reset(list(collection.get("items") or []))
+                    self._ok("list")
+                began = time.monotonic()
+                seen = self._watch(stop)
+                self._ok("watch")
+                if not seen and time.monotonic() - began < QUICK_END_S and not stop.is_set():
+                    stop.wait(self.backoff.next_delay())   # ended at once, empty: a proxy or a server going away
+            except ApiError as e:
+                if stop.is_set():
+                    return
+                if e.status == 410:              # too old: what changed since must be read from a new list
+                    log.info("%s watch: resourceVersion %s expired; reading again", self.what, self.version)
+                    self.version = None
+                    continue
+                delay = self.backoff.after(e.status, e.retry_after_s)
+                self.failed(e, delay)
+                stop.wait(delay)
+            except Exception:  # noqa: BLE001 - a bug in a handler must not end the watch
+                log.exception("%s watch: handling an event failed; reading again", self.what)
+                self.version = None
+                stop.wait(1.0)
+
+    def _watch(self, stop: threading.Event) -> int:
+        assert self.version is not None
+        self.watches += 1
+        seen = 0
+        try:
+            for event in self.watch(self.version, self._opened):
+                if stop.is_set():
+                    break
+                seen += 1
+                self.events += 1
+                kind, obj = event.get("type", ""), event.get("object") or {}
+                if kind == "BOOKMARK":
+                    self.bookmark()
+                elif kind in ("ADDED", "MODIFIED", "DELETED"):
+                    self.event(kind, obj)
+                version = (obj.get("metadata") or {}).get("resourceVersion")
+                if version:
+                    self.version = str(version)
+        finally:
+            with self._lock:
+                self._response = None
+        return seen
+
+    def _ok(self, verb: str) -> None:
+        self.backoff.reset()
+        self.recovered(verb)
+
+    def _opened(self, response: urllib3.BaseHTTPResponse) -> None:
+        with self._lock:
+            self._response = response
+            closed = self._closed
+        if closed:
+            response.shutdown()
+
+    def close(self) -> None:
+        """End a watch blocked on a quiet stream at once (on the daemon's stop)."""
+        with self._lock:
+            self._closed = True
+            response = self._response
+        if response is not None:
+            response.shutdown()
+
+
+class NodeWatch:
+    def __init__(self, api: KubeApi, node: str, settings: NodeWatchSettings | None = None,
+                 on_change: Callable[[], None] | None = None, clock: Callable[[], float] = time.time,
+                 rng: random.Random | None = None):
+        """`api`: the daemon's client; the watch talks through a client of its own on the same connection
+        (same request counts, own connection pool, no ApiHealth). `on_change` is called from the watch's
+        thread; it must be quick (the daemon's sets two flags)."""
+        self.settings = s = settings or NodeWatchSettings()
+        self.api = KubeApi(api.connection, qps=s.qps, burst=s.burst, counts=api.counts, pool=api.connection.pool(2))
+        self.node, self.on_change, self.clock = node, on_change, clock
+        rng = rng or random.Random()
+        self._lock = threading.Lock()
+        self._node: dict[str, Any] | None = None
+        self._slices: dict[str, dict[str, Any]] = {}
+        self._dra: tuple | None = None
+        self._dra_error = NOT_YET if s.read_slices else ""
+        self._status: NodeStatus | None = None
+        self._signature: tuple | None = None
+        self._refused: dict[str, str] = {}         # "verb resource" -> the line said
+        self._failing: set[str] = set()
+        self.changes = 0                            # on_change calls, for the tests and the benchmark
+        selector = f"metadata.name={node}"
+        self.nodes = _Follow(
+            "node", lambda: self.api.list_node_collection(field_selector=selector),
+            lambda rv, opened: self.api.watch_nodes("", rv, s.timeout_s, opened, field_selector=selector),
+            self._nodes_listed, self._node_event, self._bookmark, self._failed("node"), self._recovered("node"),
+            self._backoff(rng))
+        self.slices: _Follow | None = None
+        self._slice_backoff = self._backoff(rng)
+        self._rng = rng
+
+    def _backoff(self, rng: random.Random) -> Backoff:
+        s = self.settings
+        return Backoff(s.backoff_base_s, s.backoff_cap_s, rng, refused_s=s.refused_retry_s)
+
+    def current(self) -> NodeStatus | None:
+        """The node as last read; None until it was, and while it does not exist."""
+        with self._lock:
+            return self._status
+
+    # -- the thread ------------------------------------------------------------------------------
+
+    def run(self, stop: threading.Event) -> None:
+        """Until `stop` is set: follow the node (and its slices) on threads of their own, then end their
+        watches at once. Never raises."""
+        log.info("watching node %s%s", self.node, f" and its ResourceSlices of driver {self.settings.driver}"
+                 if self.settings.read_slices else "")
+        threads = [_spawn("node-watch", lambda: self.nodes.run(stop))]
+        if self.settings.read_slices:
+            threads.append(_spawn("slice-watch", lambda: self._run_slices(stop)))
+        stop.wait()
+        for follow in (self.nodes, self.slices):
+            if follow is not None:
+                follow.close()
+        for t in threads:
+            t.join(2.0)
+
+    def _run_slices(self, stop: threading.Event) -> None:
+        version = self._discover(stop)
+        if version is None:
+            return
+        selector = f"spec.nodeName={self.node},spec.driver={self.settings.driver}"
+        self.slices = _Follow(
+            "ResourceSlice", lambda: self.api.list_resource_slice_collection(version, selector),
+            lambda rv, opened: self.api.watch_resource_slices(version, selector, rv, self.settings.timeout_s, opened),
+            self._slices_listed, self._slice_event, self._bookmark, self._failed("slices"),
+            self._recovered("slices"), self._slice_backoff)
+        if not stop.is_set():
+            self.slices.run(stop)
+
+    def _discover(self, stop: threading.Event) -> str | None:
+        """The resource.k8s.io version serving ResourceSlices, retried until known; None when none is served
+        (no DRA here: nothing to read, and no error) or on stop."""
+        while not stop.is_set():
+            try:
+                version = discover(self.api).version_of("resourceslices")
+            except ApiError as e:
+                delay = self._slice_backoff.after(e.status, e.retry_after_s)
+                self._failed("slices")(e, delay)
+                stop.wait(delay)
+                continue
+            except Exception:  # noqa: BLE001
+                log.exception("ResourceSlice discovery failed")
+                stop.wait(self._slice_backoff.next_delay())
+                continue
+            self._slice_backoff.reset()
+            if version is None:
+                log.info("the cluster serves no ResourceSlice (resource.k8s.io): no DRA devices to read")
+                self._set_dra(None, "")
+            return version
+        return None
+
+    # -- events (the follow threads) -------------------------------------------------------------
+
+    def _nodes_listed(self, items: list[dict[str, Any]]) -> None:
+        mine = [n for n in items if (n.get("metadata") or {}).get("name") == self.node]
+        with self._lock:
+            self._node = mine[0] if mine else None
+        self._publish()
+
+    def _node_event(self, kind: str, obj: dict[str, Any]) -> None:
+        if (obj.get("metadata") or {}).get("name") != self.node:
+            return
+        with self._lock:
+            self._node = None if kind == "DELETED" else obj
+        self._publish()
+
+    def _slices_listed(self, items: list[dict[str, Any]]) -> None:
+        self._slices = {(s.get("metadata") or {}).get("name", ""): s for s in items}
+        self._set_dra(dra_devices(self._slices.values(), self.node, self.settings.driver), "")
+
+    def _slice_event(self, kind: str, obj: dict[str, Any]) -> None:
+        name = (obj.get("metadata") or {}).get("name", "")
+        if kind == "DELETED":
+            self._slices.pop(name, None)
+        else:
+            self._slices[name] = obj
+        self._set_dra(dra_devices(self._slices.values(), self.node, self.settings.driver), "")
+
+    def _set_dra(self, devices: tuple | None, error: str) -> None:
+        with self._lock:
+            self._dra, self._dra_error = devices, error
+        self._publish()
+
+    def _bookmark(self) -> None:
+        """The API server vouches that nothing changed up to now: the status is as fresh as this."""
+        with self._lock:
+            if self._status is not None:
+                self._status = replace(self._status, read_at=self.clock())
+
+    def _publish(self) -> None:
+        with self._lock:
+            node = self._node
+            status = None if node is None else node_status(node, self.clock(), self._dra, self._dra_error)
+            mark = signature(status)
+            changed = mark != self._signature
+            self._status, self._signature = status, mark
+            if changed:
+                self.changes += 1
+        if changed and self.on_change is not None:
+            try:
+                self.on_change()
+            except Exception:  # noqa: BLE001 - the daemon's callback must not end the watch
+                log.exception("node watch: on_change failed")
+
+    # -- failures --------------------------------------------------------------------------------
+
+    def _failed(self, topic: str) -> Callable[[ApiError, float], None]:
+        def failed(e: ApiError, delay: float) -> None:
+            what = f"{e.verb} {e.resource}".strip()
+            if e.status in (401, 403):
+                line = refusal_line(e.verb, e.resource, e.status, e.message, self.node, RBAC_HINT)
+                if topic == "slices":
+                    self._set_dra(None, f"not permitted to {what} ({e.status}): grant it as {RBAC_HINT}")
+                if self._refused.get(what) != line:
+                    self._refused[what] = line
+                    log.error("%s; checks that read the node object judge without it%s", line,
+                              "" if topic == "node" else " (its DRA devices)")
+                return
+            if topic not in self._failing:
+                self._failing.add(topic)
+                log.warning("%s watch failing (%s); retrying in %.1fs", topic, e, delay)
+            else:
+                log.debug("%s watch still failing (%s); retrying in %.1fs", topic, e, delay)
+        return failed
+
+    def _recovered(self, topic: str) -> Callable[[str], None]:
+        resource = "nodes" if topic == "node" else "resourceslices"
+
+        def recovered(verb: str) -> None:
+            if topic in self._failing:
+                self._failing.discard(topic)
+                log.info("%s watch working again", topic)
+            if self._refused.pop(f"{verb} {resource}", None) is not None:
+                log.info("the API server now lets gpu-npd %s %s", verb, resource)
+        return recovered
+
+
+def _items(mapping: Any) -> tuple:
+    return tuple(sorted(mapping.items()))
+
+
+def _spawn(name: str, target: Callable[[], None]) -> threading.Thread:
+    t = threading.Thread(target=target, name=name, daemon=True)
+    t.start()
+    return t
+
+
+__all__ = ["NodeWatch", "NodeWatchSettings", "signature"]

@@ -592,7 +592,8 @@ class Emulator:
             status["allocatable"] = {**(status.get("allocatable") or {}), **allocatable}
             return node
 
-        return clone(self.store.update(NODES, None, name, build))
+        node, _ = self.store.update(NODES, None, name, build, subresource="status")   # status changes only there
+        return clone(node)
 
     def set_node_condition(self, name: str, condition: dict) -> dict:
         """Add or update one condition by type, as the kubelet does: heartbeat now, transition time

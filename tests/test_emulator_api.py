@@ -392,3 +392,13 @@ def test_cli_serves_until_sigterm(tmp_path):
 def test_cli_missing_rbac_is_a_clear_error(tmp_path, capsys):
     assert cli_main(["--rbac", str(tmp_path / "nope")]) == 2
     assert "RBAC path not found" in capsys.readouterr().err
+
+
+def test_set_node_resources_changes_what_the_node_advertises_as_a_device_plugin_would():
+    with Emulator() as emu:
+        emu.create_node("gpu-r", capacity={"nvidia.com/gpu": "8"})
+        node = emu.set_node_resources("gpu-r", {"nvidia.com/gpu": "8"}, {"nvidia.com/gpu": "7"})
+        assert node["status"]["allocatable"]["nvidia.com/gpu"] == "7"
+        stored = emu.node("gpu-r")["status"]
+        assert stored["allocatable"]["nvidia.com/gpu"] == "7" and stored["capacity"]["nvidia.com/gpu"] == "8"
+        assert stored["allocatable"]["cpu"] == "8"                    # the other resources are left as they are

@@ -19,6 +19,7 @@ from detector.daemon.local import REPO_DEPLOY
 from detector.kube.api import KubeApi
 from detector.rules.loader import load_rules
 from detector.sim.faultlog import FaultLog
+from detector.agent.agent import AgentSettings
 from detector.sim.fleet import Fleet, FleetSettings
 from detector.sim.fleetfile import fleet_from_dict
 from kube_emulator import Emulator
@@ -30,6 +31,10 @@ XID79 = '{"kind": "xid", "gpu": 3, "params": {"code": 79}}'
 COLUMNS = ('custom-columns=NAME:.metadata.name,'
            'XID:.status.conditions[?(@.type=="GpuXidError")].status,'
            'GPU_MISSING:.status.conditions[?(@.type=="GpuMissing")].status')
+
+# A cure is trusted after one round of every check (a reboot makes every check due at once), not the
+# daemon's three: these tests are about the drill, not the verification (tests/test_lifecycle.py).
+QUICK_CURES = AgentSettings(start_spread_s=0.0, verify_sweeps=1)
 
 
 @pytest.fixture
@@ -43,7 +48,7 @@ def drill(tmp_path):
                           {"scenario": "h100-sxm-8", "count": 12, "name": "gpu-h100-{index:04d}"}]}),
                       KubeApi.from_kubeconfig(str(simulator), qps=500.0, burst=500),
                       load_rules([builtin_rules_dir()], registry.fields_by_check()), registry,
-                      FleetSettings(workers=2, start_spread_s=0.0), FaultLog(tmp_path / "faults.jsonl"))
+                      FleetSettings(workers=2, start_spread_s=0.0, agent=QUICK_CURES), FaultLog(tmp_path / "faults.jsonl"))
         fleet.start()
         home = tmp_path / "home"
         home.mkdir()

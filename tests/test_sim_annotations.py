@@ -16,6 +16,7 @@ from detector.kube.api import KubeApi
 from detector.rules.loader import load_rules
 from detector.sim.annotations import (INJECT_ANNOTATION, STATUS_ANNOTATION, AnnotationError, parse_faults, plan)
 from detector.sim.faultlog import FaultLog
+from detector.agent.agent import AgentSettings
 from detector.sim.fleet import Fleet, FleetSettings
 from detector.sim.fleetfile import fleet_from_dict
 from fake_nvml.faults import Fault
@@ -23,6 +24,10 @@ from kube_emulator import Emulator
 from test_sim_fleet import wait_for
 
 XID79 = '{"kind": "xid", "gpu": 3, "params": {"code": 79}}'
+
+# A cure is trusted after one round of every check (a reboot makes every check due at once), not the
+# daemon's three: these tests are about the drill, not the verification (tests/test_lifecycle.py).
+QUICK_CURES = AgentSettings(start_spread_s=0.0, verify_sweeps=1)
 
 
 # -- reading the value ----------------------------------------------------------------------------
@@ -98,7 +103,8 @@ def drill(tmp_path):
         registry = CheckRegistry.from_entry_points()
         ruleset = load_rules([builtin_rules_dir()], registry.fields_by_check())
         fleet = Fleet(fleet_from_dict(FLEET), api, ruleset, registry,
-                      FleetSettings(workers=2, start_spread_s=0.0, watch_annotations=False),
+                      FleetSettings(workers=2, start_spread_s=0.0, watch_annotations=False,
+                                    agent=QUICK_CURES),
                       FaultLog(tmp_path / "faults.jsonl"))
         fleet.start()
         try:
@@ -244,7 +250,8 @@ def test_the_fleets_own_watch_delivers_the_annotation_and_its_removal(tmp_path):
         registry = CheckRegistry.from_entry_points()
         fleet = Fleet(fleet_from_dict(data), KubeApi.from_kubeconfig(str(kubeconfig), qps=500.0, burst=500),
                       load_rules([builtin_rules_dir()], registry.fields_by_check()), registry,
-                      FleetSettings(workers=2, start_spread_s=0.0, watch_timeout_s=5), FaultLog(None))
+                      FleetSettings(workers=2, start_spread_s=0.0, watch_timeout_s=5, agent=QUICK_CURES),
+                      FaultLog(None))
         fleet.start()
         try:
             assert wait_for(lambda: fleet.watch is not None and fleet.watch.watches >= 1)

@@ -88,6 +88,7 @@ class NodeAgent:
         self._needs = _checks_per_type(ruleset, {c.name for c in [*self.checks, *self.node_checks]})
         self._node_scoped = frozenset(r.name for r in ruleset.rules if r.scope == "node")
         rng = rng or random.Random()
+        self._rng = rng
         now = clock()
         self._next = {c.name: now + rng.uniform(0, self.settings.start_spread_s) for c in self.checks}
         self._by_name = {c.name: c for c in self.checks}
@@ -240,9 +241,14 @@ class NodeAgent:
         return health
 
     def _ran_in(self, boot: str) -> set[str]:
-        """The scheduled checks that have run (not skipped) in `boot`: a fake node's reboot starts afresh."""
+        """The scheduled checks that have run (not skipped) in `boot`. A fake node's reboot starts afresh, as
+        a real one does by restarting the daemon: every check is due again within the start spread."""
         if self._boot_runs[0] != boot:
             self._boot_runs = (boot, set())
+            now = self.clock()
+            with self._lock:
+                for name in self._next:
+                    self._next[name] = min(self._next[name], now + self._rng.uniform(0, self.settings.start_spread_s))
         return self._boot_runs[1]
 
     def _judge_node(self, result: SweepResult, problems: list[Problem], now: float, boot: str) -> bool:

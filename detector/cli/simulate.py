@@ -63,6 +63,9 @@ def add_simulate_parser(sub: Any) -> None:
     s.add_argument("--burst", type=int, default=200, help="API burst, whole fleet (default 200)")
     s.add_argument("--start-spread", type=float, default=60.0, metavar="S",
                    help="start the nodes over S seconds (default 60)")
+    s.add_argument("--verify-sweeps", type=int, default=3, metavar="N",
+                   help="as gpu-npd run's: a cure is trusted once every check passed N rounds since (default 3; "
+                        "a drill heals that much later; 0 or 1 for quick drills)")
     s.add_argument("--heartbeat", type=float, default=300.0, metavar="S",
                    help="each node's condition heartbeat, +-10%% jitter (default 300)")
     s.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
@@ -111,6 +114,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                              create_nodes=args.adopt is None, adopt_selector=args.adopt or "",
                              shard=args.shard[0], shards=args.shard[1])
     settings.reporter.heartbeat_s = args.heartbeat
+    if args.verify_sweeps < 0:
+        raise UsageError(f"--verify-sweeps {args.verify_sweeps}: expected 0 (trust a cure at once) or more rounds")
+    settings.agent.verify_sweeps = args.verify_sweeps
     fault_log = FaultLog(args.fault_log)
     fleet = Fleet(spec, api, ruleset, registry, settings, fault_log)
     metrics.watch(fleet)

@@ -13,7 +13,8 @@ the last line is a JSON object:
   nodes, shards, rss_per_node_kib (the simulators' whole RSS over the nodes they play),
   cpu_ms_per_node_per_hour and requests_per_node_per_hour (steady state), peak_rps / p99_rps (during
   the start and during the fault), fault_visible_s (from the first annotation until every fault shows
-  on the API server), heal_visible_s (from the first removal until every node is clear again),
+  on the API server), heal_visible_s (from the first removal until every node is clear again: the reboot,
+  then every check passing --verify-sweeps rounds, as the daemon verifies a cure),
   lost_conditions, duplicate_conditions, unexpected_conditions, uncleared_conditions,
   remediation_asked (nodes with GpuNodeNeedsRemediation=True at the fault), nhc_max_unhealthy and
   nhc_allowed_unhealthy (deploy/remediation's circuit breaker for this fleet), nhc_remediates.
@@ -68,6 +69,9 @@ def main() -> int:
     p.add_argument("--burst", type=int, default=200)
     p.add_argument("--workers", type=int, default=8, help="scheduler threads per simulator")
     p.add_argument("--fault-timeout", type=float, default=300.0)
+    p.add_argument("--verify-sweeps", type=int, default=3,
+                   help="the simulators' --verify-sweeps: a healed node clears once every check passed that many "
+                        "rounds since its reboot (default 3, the daemon's; heal_visible_s includes it)")
     args = p.parse_args()
     if args.shards < 1 or args.nodes < args.shards:
         p.error("--shards must be at least 1 and at most --nodes")
@@ -107,7 +111,7 @@ class Simulator:
             [sys.executable, "-m", "detector.cli.main", "simulate", "--fleet", str(fleet), "--kubeconfig",
              str(kubeconfig), "--shard", f"{shard}/{args.shards}", "--listen", "127.0.0.1:0",
              "--start-spread", str(args.start_spread), "--qps", str(args.qps), "--burst", str(args.burst),
-             "--workers", str(args.workers), "--log-level", "warning"],
+             "--workers", str(args.workers), "--verify-sweeps", str(args.verify_sweeps), "--log-level", "warning"],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=REPO)
         self.process = psutil.Process(self.proc.pid)
         self.started = threading.Event()

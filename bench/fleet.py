@@ -17,7 +17,10 @@ the last line is a JSON object:
   then every check passing --verify-sweeps rounds, as the daemon verifies a cure),
   lost_conditions, duplicate_conditions, unexpected_conditions, uncleared_conditions,
   remediation_asked (nodes with GpuNodeNeedsRemediation=True at the fault), nhc_max_unhealthy and
-  nhc_allowed_unhealthy (deploy/remediation's circuit breaker for this fleet), nhc_remediates.
+  nhc_allowed_unhealthy (deploy/remediation's circuit breaker for this fleet), nhc_remediates;
+  fleet_view_s, fleet_view_pages, fleet_view_nodes, fleet_view_failed_gpus, fleet_view_matches (`gpu-npd
+  fleet -o json` over the broken fleet: its time, its LIST pages of 500, and whether it lists exactly the
+  GPUs the fault broke).
 
     .venv/bin/python bench/fleet.py                                  # 7,500 nodes (about 12 minutes)
     .venv/bin/python bench/fleet.py --nodes 30000 --shards 4         # 4 simulators of 7,500
@@ -38,6 +41,7 @@ import threading
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import psutil
 import yaml
@@ -250,6 +254,10 @@ def run(args: argparse.Namespace, url: str, admin_kubeconfig: Path, work: Path, 
     time.sleep(5)
     at_fault = admin.nodes()
     fault_end = time.time()
+    fleet_view = view_fleet(admin_kubeconfig, broken)
+    say(f"gpu-npd fleet: {fleet_view['fleet_view_s']:.2f}s, {fleet_view['fleet_view_pages']} LIST page(s) of 500; "
+        f"{fleet_view['fleet_view_failed_gpus']} failed GPUs on {fleet_view['fleet_view_nodes']} nodes listed "
+        f"({'exactly the broken ones' if fleet_view['fleet_view_matches'] else 'NOT the broken ones'})")
 
     heal_time = time.time()
     for name in broken:
@@ -296,14 +304,33 @@ def run(args: argparse.Namespace, url: str, admin_kubeconfig: Path, work: Path, 
         "uncleared_conditions": uncleared, "fault_status_missing": unrecorded,
         "steady_window_s": round(steady_s, 1), "qps_limit_per_shard": args.qps,
         "remediation_asked": asked, "nhc_max_unhealthy": max_unhealthy, "nhc_allowed_unhealthy": allowed,
-        "nhc_remediates": asked <= allowed,
+        "nhc_remediates": asked <= allowed, **fleet_view,
     }
     print(json.dumps(figures))
-    ok = visible_at and healed_at and not (lost or duplicate or unexpected or uncleared or unrecorded)
+    ok = visible_at and healed_at and fleet_view["fleet_view_matches"] and not (
+        lost or duplicate or unexpected or uncleared or unrecorded)
     if not ok:
         for sim in simulators:
             say(f"{sim.log} ({len(sim.lines)} lines), its last ones:\n  " + "\n  ".join(sim.lines[-15:]))
     return 0 if ok else 1
+
+
+def view_fleet(kubeconfig: Path, broken: dict[str, list[int]]) -> dict[str, Any]:
+    """`gpu-npd fleet -o json` over the broken fleet, as an operator would run it: its time, its LIST pages
+    (its only requests), and whether it lists exactly the GPUs the fault broke."""
+    t0 = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "detector.cli.main", "fleet", "--kubeconfig", str(kubeconfig),
+                           "-o", "json"], capture_output=True, text=True, cwd=REPO, timeout=600)
+    took = time.monotonic() - t0
+    try:
+        report = json.loads(done.stdout)
+    except ValueError:
+        raise SystemExit(f"gpu-npd fleet printed no JSON (exit {done.returncode}): {done.stderr[-2000:]}") from None
+    listed = {n["name"]: sorted(g["index"] for g in n["unhealthyGpus"] if g["state"] == "failed")
+              for n in report["nodes"]}
+    return {"fleet_view_s": round(took, 2), "fleet_view_pages": report["summary"]["pages"],
+            "fleet_view_nodes": len(listed), "fleet_view_failed_gpus": report["summary"]["failed"],
+            "fleet_view_matches": {k: v for k, v in listed.items() if v} == {k: sorted(v) for k, v in broken.items()}}
 
 
 def nhc_allowed_unhealthy(max_unhealthy: int | str, nodes: int) -> int:

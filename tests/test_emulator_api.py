@@ -376,8 +376,9 @@ def test_cli_serves_until_sigterm(tmp_path):
         assert url.startswith("http://127.0.0.1:")
         sa = client.CoreV1Api(config.new_client_from_config(config_file=str(kubeconfig)))
         assert sa.read_node("n2").metadata.name == "n2"
+        assert [n.metadata.name for n in sa.list_node().items] == ["n1", "n2"]      # its node watch lists
         with pytest.raises(client.ApiException) as err:
-            sa.list_node()
+            sa.list_pod_for_all_namespaces()
         assert err.value.status == 403
         admin = client.CoreV1Api(config.new_client_from_config(config_file=str(admin_kubeconfig)))
         assert [n.metadata.name for n in admin.list_node().items] == ["n1", "n2"]

@@ -174,7 +174,7 @@ def test_stats_by_user_verb_resource_code_and_second(emulator, sa, clock):
     sa.patch_node_status("n1", condition_patch("False"))
     clock.now += 1
     with pytest.raises(client.ApiException):
-        sa.list_node()
+        sa.list_pod_for_all_namespaces()
     sa.create_namespaced_event("default", {"metadata": {"name": "e"}, "involvedObject": {"name": "n1"},
                                            "reason": "R"})
     control(emulator, "stats")   # control requests are not counted
@@ -184,7 +184,7 @@ def test_stats_by_user_verb_resource_code_and_second(emulator, sa, clock):
     assert stats["by_verb_resource_code"] == [
         {"user": SA, "verb": "create", "resource": "events", "code": 201, "count": 1},
         {"user": SA, "verb": "get", "resource": "nodes", "code": 200, "count": 1},
-        {"user": SA, "verb": "list", "resource": "nodes", "code": 403, "count": 1},
+        {"user": SA, "verb": "list", "resource": "pods", "code": 403, "count": 1},
         {"user": SA, "verb": "patch", "resource": "nodes/status", "code": 200, "count": 2},
     ]
     assert stats["per_second"] == {"1700000000": 3, "1700000001": 2}

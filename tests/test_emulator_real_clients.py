@@ -173,17 +173,18 @@ def test_kubectl_auth_can_i_as_the_daemon(kubectl):
     assert kubectl("auth", "can-i", "get", "nodes", "-A", context="gpu-npd:gpu-npd").stdout.strip() == "yes"
     assert kubectl("auth", "can-i", "patch", "nodes", "--subresource=status", "-A",
                    context="gpu-npd:gpu-npd").stdout.strip() == "yes"
-    denied = kubectl("auth", "can-i", "list", "nodes", "-A", context="gpu-npd:gpu-npd", ok=False)
+    assert kubectl("auth", "can-i", "watch", "nodes", "-A", "--as", SA).stdout.strip() == "yes"   # its node watch
+    denied = kubectl("auth", "can-i", "list", "pods", "-A", context="gpu-npd:gpu-npd", ok=False)
     assert (denied.returncode, denied.stdout.strip()) == (1, "no")
-    assert kubectl("auth", "can-i", "watch", "nodes", "-A", "--as", SA, ok=False).stdout.strip() == "no"
+    assert kubectl("auth", "can-i", "patch", "nodes", "-A", "--as", SA, ok=False).stdout.strip() == "no"
     assert kubectl("auth", "whoami", context="gpu-npd:gpu-npd").stdout.split("\n")[1].split() == ["Username", SA]
 
 
 def test_kubectl_as_the_daemon_gets_kubernetes_errors(kubectl):
     assert kubectl("get", "node", "gpu-1", context="gpu-npd:gpu-npd").stdout.split()[5:7] == ["gpu-1", "Ready"]
-    denied = kubectl("get", "nodes", context="gpu-npd:gpu-npd", ok=False)
+    denied = kubectl("get", "pods", "-A", context="gpu-npd:gpu-npd", ok=False)
     assert denied.returncode == 1
-    assert (f'nodes is forbidden: User "{SA}" cannot list resource "nodes" in API group "" at the cluster scope'
+    assert (f'pods is forbidden: User "{SA}" cannot list resource "pods" in API group "" at the cluster scope'
             in denied.stderr)
     escalate = kubectl("get", "nodes", "--as", ADMIN, context="gpu-npd:gpu-npd", ok=False)
     assert escalate.returncode == 1 and f'User "{SA}" cannot impersonate resource "users"' in escalate.stderr

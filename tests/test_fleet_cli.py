@@ -212,8 +212,8 @@ def test_the_fleet_viewer_may_list_nodes_and_nothing_else(emulator, viewer, caps
             write()
         assert refused.value.status == 403
 
-    daemon_account = emulator.write_kubeconfig(Path(viewer).parent / "daemon.kubeconfig")   # deploy/base's
-    code, out = fleet(daemon_account, capsys=capsys)
+    nobody = emulator.write_kubeconfig(Path(viewer).parent / "nobody.kubeconfig", user="jane")   # no binding
+    code, out = fleet(nobody, capsys=capsys)
     assert code == 3 and "forbids gpu-npd to list nodes (403 Forbidden)" in out and "deploy/fleet-viewer" in out
 
 

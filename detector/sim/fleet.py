@@ -85,8 +85,8 @@ class SimNode:
         self.annotation = ""                  # the inject-fault value last acted on
         self.annotated: tuple[Fault, ...] = ()  # the faults it applied, still on the node
         self.annotation_error: str | None = None  # what was wrong with the value, if anything
-        self.status_task = _StatusTask(self)
-        self.resources_task = _ResourcesTask(self)
+        self.status_task = _WriteTask(self, "fault status")
+        self.resources_task = _WriteTask(self, "resources")
         self.node_status: NodeStatus | None = None   # the node object the fleet's watch saw last, parsed
         self.published: dict[str, dict[str, str]] | None = None   # the device plugin's counts last written
 
@@ -118,29 +118,16 @@ class _SendTask(Task):
         return self.node.reporter.due_at()
 
 
-class _StatusTask(Task):
-    """Writes the node's fault-status annotation: on the shared scheduler, so the watch that saw the
-    annotation goes on to the next node at once instead of waiting for the API server."""
+class _WriteTask(Task):
+    """One write for one node, run on the shared scheduler so the thread that asked for it (the watch that saw
+    a fault annotation, the sweep that changed the fake device plugin's counts) goes on at once instead of
+    waiting for the API server: the node's fault-status annotation, or its KWOK node's capacity and
+    allocatable (one PATCH of nodes/status when the counts changed, none otherwise)."""
 
-    def __init__(self, node: SimNode):
+    def __init__(self, node: SimNode, what: str):
         super().__init__()
         self.node = node
-        self.name = f"fault status of {node.name}"
-        self.write: Callable[[SimNode], None] = lambda node: None      # set by the fleet
-
-    def run(self) -> float | None:
-        self.write(self.node)
-        return None
-
-
-class _ResourcesTask(Task):
-    """Publishes what the node's fake device plugin advertises as its KWOK node's capacity and allocatable:
-    one PATCH of nodes/status when the counts changed, none otherwise."""
-
-    def __init__(self, node: SimNode):
-        super().__init__()
-        self.node = node
-        self.name = f"resources of {node.name}"
+        self.name = f"{what} of {node.name}"
         self.write: Callable[[SimNode], None] = lambda node: None      # set by the fleet
 
     def run(self) -> float | None:

@@ -14,7 +14,7 @@ the last line is a JSON object:
   cpu_ms_per_node_per_hour and requests_per_node_per_hour (steady state), peak_rps / p99_rps (during
   the start and during the fault), fault_visible_s (from the first annotation until every fault shows
   on the API server), heal_visible_s (from the first removal until every node is clear again: the reboot,
-  then every check passing --verify-sweeps rounds, as the daemon verifies a cure),
+  then every check passing --verify-sweeps rounds, as the daemon verifies a cure; one by default),
   lost_conditions, duplicate_conditions, unexpected_conditions, uncleared_conditions,
   remediation_asked (nodes with GpuNodeNeedsRemediation=True at the fault), nhc_max_unhealthy and
   nhc_allowed_unhealthy (deploy/remediation's circuit breaker for this fleet), nhc_remediates;
@@ -73,9 +73,12 @@ def main() -> int:
     p.add_argument("--burst", type=int, default=200)
     p.add_argument("--workers", type=int, default=8, help="scheduler threads per simulator")
     p.add_argument("--fault-timeout", type=float, default=300.0)
-    p.add_argument("--verify-sweeps", type=int, default=3,
+    p.add_argument("--verify-sweeps", type=int, default=1,
                    help="the simulators' --verify-sweeps: a healed node clears once every check passed that many "
-                        "rounds since its reboot (default 3, the daemon's; heal_visible_s includes it)")
+                        "rounds since its reboot. Default 1: a reboot makes every check due at once (round one), "
+                        "but a fleet's checks poll every 5 minutes, so the daemon's 3 rounds would add 10 minutes "
+                        "that measure the fleet file's intervals, not the API server (tests/test_lifecycle.py "
+                        "verifies the daemon's 3)")
     args = p.parse_args()
     if args.shards < 1 or args.nodes < args.shards:
         p.error("--shards must be at least 1 and at most --nodes")

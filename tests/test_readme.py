@@ -173,11 +173,10 @@ RUN: dict[str, Spec] = {
     ".venv/bin/python bench/footprint.py": Spec(append="--duration 1 --settle 1", why=SCALED),
     ".venv/bin/python bench/node_watch.py": Spec(append="--hour-s 2 --settle 360", why=SCALED),
     ".venv/bin/python bench/fleet.py": Spec(
-        append="--nodes 10 --start-spread 1 --settle 1 --steady 1 --fault-timeout 60 --verify-sweeps 1", why=SCALED,
-        timeout=120),
+        append="--nodes 10 --start-spread 1 --settle 1 --steady 1 --fault-timeout 60", why=SCALED, timeout=120),
     ".venv/bin/python bench/fleet.py --nodes 30000 --shards 4": Spec(
         subst=(("--nodes 30000", "--nodes 12"),),
-        append="--start-spread 1 --settle 1 --steady 1 --fault-timeout 60 --verify-sweeps 1",
+        append="--start-spread 1 --settle 1 --steady 1 --fault-timeout 60",
         why=SCALED, timeout=120),
     "gpu-npd fleet --kubeconfig kc.yaml --context admin": Spec(
         expect=r"^nothing is wrong: 0 GPU nodes", why="the emulator the block started: gpu-17 has no GPU label"),

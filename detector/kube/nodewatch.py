@@ -35,7 +35,9 @@ from typing import Any, Callable, Iterator
 import urllib3
 
 from detector.core.nodestatus import NodeStatus
+from detector.kube.annotations import UNHEALTHY_GPUS
 from detector.kube.api import WATCH_TIMEOUT_S, ApiError, KubeApi
+from detector.kube.conditions import MARKER
 from detector.kube.dra import discover
 from detector.kube.health import refusal_line
 from detector.kube.node_status import NVIDIA_DRA_DRIVER, dra_devices, node_status
@@ -64,12 +66,17 @@ class NodeWatchSettings:
 
 
 def signature(status: NodeStatus | None) -> tuple | None:
-    """What checks read of a NodeStatus: equal signatures mean nothing a check sees has changed."""
+    """What checks read of a NodeStatus: equal signatures mean nothing a check sees has changed. What gpu-npd
+    writes itself (its conditions, its unhealthy-GPUs annotation) is left out: its own writes coming back
+    through the watch must not make the node be judged again (at 7,500 simulated nodes that is real CPU)."""
     if status is None:
         return None
+    annotations = {k: v for k, v in status.annotations.items() if k != UNHEALTHY_GPUS}
+    conditions = tuple(sorted((c.type, c.status, c.reason) for c in status.conditions.values()
+                              if not c.message.startswith(MARKER)))
     return (status.name, _items(status.capacity), _items(status.allocatable), _items(status.labels),
-            _items(status.annotations), tuple(sorted((c.type, c.status, c.reason) for c in status.conditions.values())),
-            status.dra_devices, status.dra_error, tuple(sorted(status.taints)), status.unschedulable)
+            _items(annotations), conditions, status.dra_devices, status.dra_error, tuple(sorted(status.taints)),
+            status.unschedulable)
 
 
 class _Follow:

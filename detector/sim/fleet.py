@@ -19,6 +19,7 @@ from detector.core.domain import key
 from detector.core.nodestatus import NodeStatus
 from detector.kube.conditions import MARKER, MESSAGE_LIMIT, rfc3339
 from detector.kube.node_status import node_status
+from detector.kube.nodewatch import signature
 from detector.kube.reporter import KubeReporter, ReporterSettings
 from detector.rules.loader import RuleSet
 from detector.sim.annotations import INJECT_ANNOTATION, STATUS_ANNOTATION, AnnotationError, parse_faults, plan, status_value
@@ -263,11 +264,11 @@ class Fleet:
     def _note_status(self, node: SimNode, node_object: dict[str, Any]) -> None:
         """What the cluster says of the node, for its agent's node checks (host.node_status): when it
         changed in what they read (resources, labels, annotations, conditions), they judge again at once.
-        The agent's own condition writes come back this way too; only a change of theirs kicks."""
+        The agent's own writes come back this way too, and kick nothing (nodewatch.signature leaves them out)."""
         status = node_status(node_object, self.clock())
         before = node.node_status
         node.node_status = status
-        if before is None or _judged_part(before) != _judged_part(status):
+        if before is None or signature(before) != signature(status):
             node.agent.kick_node_checks()
             self.scheduler.wake(node.checks_task)
 
@@ -352,12 +353,6 @@ def _check_gpus(faults: tuple[Fault, ...], node: SimNode) -> None:
         if fault.gpu is not None and fault.gpu >= node.spec.gpus:
             where = f"{INJECT_ANNOTATION}[{i}]" if len(faults) > 1 else INJECT_ANNOTATION
             raise AnnotationError(f"{where}.gpu: node {node.name} has GPUs 0 to {node.spec.gpus - 1}, not {fault.gpu}")
-
-
-def _judged_part(status: NodeStatus) -> tuple:
-    """What node checks read of a NodeStatus (not when it was read)."""
-    return (status.capacity, status.allocatable, status.labels, status.annotations, status.conditions,
-            status.dra_devices)
 
 
 def kwok_node(spec: SimNodeSpec, scenario: str, product: str | None = None,

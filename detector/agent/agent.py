@@ -125,6 +125,11 @@ class NodeAgent:
             if check_name in self._next:
                 self._next[check_name] = 0.0
 
+    @property
+    def has_swept(self) -> bool:
+        """A sweep has run: there is something to judge the node by."""
+        return self._inventory is not None
+
     def kick_node_checks(self) -> None:
         """What the cluster says of the node changed (host.node_status): judge the node again at once, from
         what the checks last saw, without waiting for the next check to be due."""

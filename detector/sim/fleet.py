@@ -268,7 +268,9 @@ class Fleet:
         status = node_status(node_object, self.clock())
         before = node.node_status
         node.node_status = status
-        if before is None or signature(before) != signature(status):
+        # A node not started yet (the rolling start) is judged when its turn comes, with what was seen last:
+        # waking it now would start every node at once when the watch lists them all.
+        if node.agent.has_swept and (before is None or signature(before) != signature(status)):
             node.agent.kick_node_checks()
             self.scheduler.wake(node.checks_task)
 

@@ -55,3 +55,19 @@ def _build_check(cls: type[Check], raw: Mapping[str, Any], file: str) -> Check:
     if reader.has("enabled"):
         values["enabled"] = reader.get("enabled", bool)
     return cls(values)
+
+
+class UsageError(Exception):
+    """Bad input from the user: printed as one line, exit code 2."""
+
+
+def load_selected_checks(registry: CheckRegistry, checks: str | None, config: Path | None,
+                         overrides: dict | None = None) -> list:
+    """`--checks a,b` and `--config FILE` (plus per-check setting overrides) into check instances."""
+    settings, settings_file = {}, "<settings>"
+    if config:
+        settings_file, settings = load_check_settings(config)
+    for name, values in (overrides or {}).items():
+        settings = {**settings, name: {**(settings.get(name) or {}), **values}}
+    selected = [n.strip() for n in checks.split(",") if n.strip()] if checks else None
+    return build_checks(registry, selected, settings, settings_file)

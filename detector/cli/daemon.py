@@ -125,8 +125,8 @@ def add_daemon_parsers(sub: Any) -> None:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from detector.backends.select import open_host
-    from detector.cli.main import (BUILTIN_RULES, UsageError, describe_rules, load_ruleset, load_selected_checks,
-                                   rule_sources)
+    from detector.config import UsageError, load_selected_checks
+    from detector.rules.sources import BUILTIN_RULES, describe_rules, load_ruleset, rule_sources
     from detector.core.check import CheckRegistry
     from detector.kube.api import ConfigError, KubeApi
 
@@ -179,7 +179,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_clear(args: argparse.Namespace) -> int:
     """Only problems held until a reboot or a clear are released: one that reflects what a check sees now
     (a GPU missing) ends when the fault does, and the command says so."""
-    from detector.cli.main import UsageError
+    from detector.config import UsageError
 
     if not args.state_dir.is_dir():
         raise UsageError(f"--state-dir {args.state_dir}: no such directory (is the daemon running here?)")

@@ -62,7 +62,8 @@ def add_fleet_arguments(f: argparse.ArgumentParser) -> None:
 
 
 def cmd_fleet(args: argparse.Namespace) -> int:
-    from detector.cli.main import UsageError, builtin_rules_dir
+    from detector.config import UsageError
+    from detector.rules.sources import builtin_rules_dir
     from detector.kube.api import ApiError, ConfigError, KubeApi
     from detector.kube.connection import user_kubeconfig
     from detector.kube.fleet_view import read_fleet

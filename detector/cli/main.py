@@ -10,28 +10,21 @@ import json
 import os
 import sys
 import threading
-from importlib import resources
 from pathlib import Path
 from typing import Sequence
 
 from detector import __version__
 from detector.backends.select import BackendError, open_host
 from detector.cli.signals import Interrupted, on_stop_signals, restore
-from detector.config import build_checks, load_check_settings
+from detector.config import UsageError, load_selected_checks
 from detector.core.check import CheckRegistry
-from detector.rules.loader import RuleErrors, RuleSet, load_rules
+from detector.rules.loader import RuleErrors
+# builtin_rules_dir and rule_paths are kept importable from here for callers of the command's module
+from detector.rules.sources import (BUILTIN_RULES, builtin_rules_dir, describe_rules, load_ruleset,  # noqa: F401
+                                    rule_paths, rule_sources)
 from detector.yamlsource import SourceError
 
 EXIT_HEALTHY, EXIT_PROBLEMS, EXIT_USAGE = 0, 1, 2
-BUILTIN_RULES = "builtin"
-
-
-class UsageError(Exception):
-    """Bad input from the user: printed as one line, exit code 2."""
-
-
-def builtin_rules_dir() -> Path:
-    return Path(str(resources.files("detector") / "rules" / "builtin"))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -147,59 +140,6 @@ def build_parser() -> argparse.ArgumentParser:
     add_simulate_parser(sub)
     add_fleet_parser(sub)
     return parser
-
-
-def rule_paths(given: Sequence[Path | str] | None) -> list[Path]:
-    """`--rules` values: `builtin` names the bundled rules, `+PATH` adds PATH to them, a plain PATH
-    replaces them (with `builtin` beside it, extends them). Nothing given: the bundled rules."""
-    names = [str(p) for p in given or []] or [BUILTIN_RULES]
-    if any(n.startswith("+") for n in names) and BUILTIN_RULES not in names:
-        names.insert(0, BUILTIN_RULES)
-    resolved: list[Path] = []
-    for given_name in names:
-        name = given_name[1:] if given_name.startswith("+") else given_name
-        if not name.strip():                 # Path("") would quietly be the current directory
-            raise UsageError(f"--rules {given_name!r}: name a rule file or directory (a leading '+' adds it "
-                             "to the bundled rules)")
-        path = builtin_rules_dir() if name == BUILTIN_RULES else Path(name)
-        if path not in resolved:
-            resolved.append(path)
-    return resolved
-
-
-def load_ruleset(paths: Sequence[Path | str] | None, registry: CheckRegistry) -> RuleSet:
-    return load_rules(rule_paths(paths), registry.fields_by_check())
-
-
-def rule_sources(ruleset: RuleSet) -> list[dict]:
-    """Which rule sets are active and how many rules each gave: the bundled ones as one `builtin`."""
-    builtin = str(builtin_rules_dir())
-    sources: dict[str, int] = {}
-    for file, count in ruleset.counts_by_file().items():
-        name = BUILTIN_RULES if file.startswith(builtin) else file
-        sources[name] = sources.get(name, 0) + count
-    return [{"source": name, "rules": count} for name, count in sources.items()]
-
-
-def describe_rules(ruleset: RuleSet) -> str:
-    """`rules: builtin (120 rules) + site.yaml (3 rules)`, and says so when the built-ins are left out."""
-    sources = rule_sources(ruleset)
-    text = " + ".join(f"{s['source']} ({s['rules']} rule{'s' if s['rules'] != 1 else ''})" for s in sources)
-    if all(s["source"] != BUILTIN_RULES for s in sources):
-        text += "; the built-in rules are NOT loaded (use --rules +PATH to add to them)"
-    return f"rules: {text}"
-
-
-def load_selected_checks(registry: CheckRegistry, checks: str | None, config: Path | None,
-                         overrides: dict | None = None) -> list:
-    """`--checks a,b` and `--config FILE` (plus per-check setting overrides) into check instances."""
-    settings, settings_file = {}, "<settings>"
-    if config:
-        settings_file, settings = load_check_settings(config)
-    for name, values in (overrides or {}).items():
-        settings = {**settings, name: {**(settings.get(name) or {}), **values}}
-    selected = [n.strip() for n in checks.split(",") if n.strip()] if checks else None
-    return build_checks(registry, selected, settings, settings_file)
 
 
 def cmd_diagnose(args: argparse.Namespace) -> int:

@@ -73,7 +73,8 @@ def add_simulate_parser(sub: Any) -> None:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
-    from detector.cli.main import BUILTIN_RULES, UsageError, describe_rules, load_ruleset, rule_sources
+    from detector.config import UsageError
+    from detector.rules.sources import BUILTIN_RULES, describe_rules, load_ruleset, rule_sources
     from detector.cli.signals import on_stop_signals
     from detector.core.check import CheckRegistry
     from detector.daemon.endpoints import Endpoints

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from detector.cli.main import builtin_rules_dir
+from detector.rules.sources import builtin_rules_dir
 from detector.config import build_checks
 from detector.core.check import CheckRegistry
 from detector.daemon.run import Daemon, DaemonSettings

@@ -316,7 +316,7 @@ def _daemon_child(argv: list[str]) -> int:
     source, fd, stats_path, profile = argv[0], argv[1], Path(argv[2]), argv[3]
     run_args = argv[argv.index("--") + 1:]
 
-    import detector.backends.select as select_mod
+    import detector.cli.hosts as select_mod
     from detector.backends.kernlog import CursorStore, JournaldReader, KmsgReader, boot_time, read_boot_id
     from detector.checks.xid.check import XidCheck
     from detector.cli.main import main as gpu_npd

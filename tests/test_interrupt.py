@@ -87,7 +87,7 @@ def test_a_second_ctrl_c_exits_at_once_and_kills_child_groups(tmp_path):
     script = (
         "import subprocess, sys, time\n"
         "from detector.cli.signals import on_stop_signals\n"
-        "from detector.core.children import LIVE_GROUPS\n"
+        "from detector.backends.children import LIVE_GROUPS\n"
         "child = subprocess.Popen(['sleep', '60'], start_new_session=True)\n"
         "LIVE_GROUPS.add(child.pid)\n"
         f"open({str(pid_file)!r}, 'w').write(str(child.pid))\n"

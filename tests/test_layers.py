@@ -31,3 +31,13 @@ def test_the_check_of_a_check_folder_is_in_check_py():
     for folder in (DETECTOR / "checks").iterdir():
         if (folder / "__init__.py").exists():
             assert (folder / "check.py").exists(), folder.name
+
+
+def test_backends_are_the_bottom_layer():
+    """Backends read the machine; they import nothing of gpu-npd above them, and no fake."""
+    backends = DETECTOR / "backends"
+    offenders = sorted(f"{p.relative_to(DETECTOR.parent)} imports {name}" for p in backends.rglob("*.py")
+                       for name in imports(p)
+                       if name.split(".")[0] == "fake_nvml"
+                       or (name.startswith("detector") and not name.startswith("detector.backends")))
+    assert not offenders, offenders

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from detector.backends.select import BackendError, open_host
+from detector.cli.hosts import BackendError, open_host
 from detector.cli.main import main
 from detector.core.inventory import read_inventory
 

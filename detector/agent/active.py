@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
 from detector.core.check import COMMON_FIELDS
-from detector.core.quarantine import kept_at
+from detector.backends.quarantine import kept_at
 from detector.core.types import GpuRef, Problem, Severity, action_strength
 from detector.rules.model import MESSAGE_LIMIT, Rule, compose_message, finding_of
 

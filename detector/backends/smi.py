@@ -8,7 +8,7 @@ import subprocess
 from dataclasses import dataclass
 from typing import Protocol
 
-from detector.core.children import LIVE_GROUPS, kill_group
+from detector.backends.children import LIVE_GROUPS, kill_group
 
 
 @dataclass(frozen=True)

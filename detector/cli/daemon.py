@@ -124,7 +124,7 @@ def add_daemon_parsers(sub: Any) -> None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from detector.backends.select import open_host
+    from detector.cli.hosts import open_host
     from detector.config import UsageError, load_selected_checks
     from detector.rules.sources import BUILTIN_RULES, describe_rules, load_ruleset, rule_sources
     from detector.core.check import CheckRegistry

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Sequence
 
 from detector import __version__
-from detector.backends.select import BackendError, open_host
+from detector.cli.hosts import BackendError, open_host
 from detector.cli.signals import Interrupted, on_stop_signals, restore
 from detector.config import UsageError, load_selected_checks
 from detector.core.check import CheckRegistry

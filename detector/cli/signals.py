@@ -11,7 +11,7 @@ import os
 import signal
 from typing import Any, Callable
 
-from detector.core.children import LIVE_GROUPS
+from detector.backends.children import LIVE_GROUPS
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 

@@ -9,7 +9,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from detector.core.quarantine import kept_at
+from detector.backends.quarantine import kept_at
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
-from detector.core.children import LIVE_GROUPS, kill_group
+from detector.backends.children import LIVE_GROUPS, kill_group
 
 HEAD_LINES, TAIL_LINES = 2000, 5000      # output kept for parsing; a chatty NCCL_DEBUG=INFO run is bounded
 POLL_S = 0.05

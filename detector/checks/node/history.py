@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from detector.core.quarantine import kept_at
+from detector.backends.quarantine import kept_at
 
 HISTORY_FILE = "history.json"
 VERSION = 1

@@ -329,7 +329,9 @@ class NodeWatch:
                 return
             if topic not in self._failing:
                 self._failing.add(topic)
-                log.warning("%s watch failing (%s); retrying in %.1fs", topic, e, delay)
+                # Info, not a warning: an unreachable API server is already said once a minute by the
+                # reporter's outage log (kube/health.py), and one outage should read as one warning.
+                log.info("%s watch failing (%s); retrying in %.1fs", topic, e, delay)
             else:
                 log.debug("%s watch still failing (%s); retrying in %.1fs", topic, e, delay)
         return failed

@@ -107,6 +107,7 @@ def test_one_failed_gpu_fenced_on_its_own_does_not_block_the_node(registry, rule
     (maintenance("MaintenanceInProgress"), "MaintenanceInProgress"),
     (maintenance("DrainInProgress"), "DrainInProgress"),
     (maintenance("", annotation="bios-update CHG-1234"), "MaintenanceAnnotation"),
+    (maintenance("", annotation="True"), "MaintenanceAnnotation"),
 ])
 def test_under_maintenance_the_node_is_judged_but_no_remediation_is_asked(registry, rules, status, reason):
     node = Node(registry, rules, "h100-sxm-8-modules-uvm-unloaded", status=status)

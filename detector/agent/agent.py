@@ -22,7 +22,7 @@ from detector.core.check import Check
 from detector.core.gpu_health import APPLICATION_ACTIONS, GpuHealth, carry_since, fuller, gpu_health, gpu_key
 from detector.core.inventory import Inventory
 from detector.core.nodecheck import NodeCheck, NodeView, judge_node
-from detector.core.nodestatus import MAINTENANCE_ANNOTATION
+from detector.core.nodestatus import MAINTENANCE_ANNOTATION, MAINTENANCE_CONDITIONS
 from detector.core.sweep import CheckRun, Host, SweepResult, run_sweep
 from detector.core.types import GpuRef, Problem, Severity
 from detector.rules.engine import RuleEngine
@@ -432,13 +432,11 @@ def under_maintenance(status: ConditionStatus, maintenance: str, limit: int) -> 
     maintenance, its message saying what would be asked otherwise. KEP-5683's lifecycle conditions are the
     shared signal that a node is worked on on purpose; a detector goes on judging but must not send it to
     a remediator mid-maintenance (a reboot in a firmware update is not a fault)."""
-    reason = maintenance.split("=", 1)[0] if maintenance.endswith(")") or "=True" in maintenance \
-        else "MaintenanceAnnotation"
+    reason = next((t for t in MAINTENANCE_CONDITIONS if maintenance.startswith(f"{t}=True")), "MaintenanceAnnotation")
     message = f"the node is under maintenance ({maintenance}): gpu-npd asks for no remediation"
     if status.active:
         message += f"; otherwise it would: {status.reason}: {status.message}"
-    return ConditionStatus(status.type, False, reason if reason.isalnum() else "UnderMaintenance",
-                           message[:limit], status.severity)
+    return ConditionStatus(status.type, False, reason, message[:limit], status.severity)
 
 
 def _duration(seconds: float) -> str:

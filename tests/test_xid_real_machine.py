@@ -189,15 +189,21 @@ def test_an_events_count_is_faults_not_the_lines_a_fault_printed(registry):
     assert [o.fields["faults"] for o in out.sweep.runs[0].observations if o.fields["code"] == 13] == [1, 1, 1]
 
 
+GPU_CHECK_RUNS = {"h100-vm-580-gpucheck": (643, 673, 696, 719),      # the last two XID 13 0.9 s apart
+                  "h100-vm-580-gpucheck-2": (600, 632, 656, 679)}    # another VM and GPU: 1.3 s apart
+
+
+@pytest.mark.parametrize("run", sorted(GPU_CHECK_RUNS))
 @pytest.mark.parametrize("name", ["dmesg.txt", "dmesg-x.txt"])
-def test_the_gpu_check_machines_four_faults_are_four_incidents(name, registry):
-    """`make gpu-check` on a real H100 VM (tests/fixtures/real_logs/h100-vm-580-gpucheck): XID 31, 43 and
-    two XID 13 from four processes, the last two 0.9 s apart; four events, each naming its process."""
-    log = HERE.parent / "h100-vm-580-gpucheck" / name
+def test_the_gpu_check_machines_four_faults_are_four_incidents(run, name, registry):
+    """`make gpu-check` on real H100 VMs (tests/fixtures/real_logs/h100-vm-580-gpucheck*): XID 31, 43 and
+    two XID 13 from four processes; four events, each naming its process."""
+    log = HERE.parent / run / name
     out = diagnose_host(fake_host(node_for("h100-sxm-8")), registry, checks=["xid"],
                         settings={"xid": {"kernel_log_file": str(log)}})
     obs = out.sweep.runs[0].observations
+    pids = GPU_CHECK_RUNS[run]
     assert [(o.fields["code"], o.fields["pid"], o.fields["process_name"]) for o in obs] == [
-        (31, 643, "python3"), (43, 673, "python3"), (13, 696, "python3"), (13, 719, "python3")]
+        (31, pids[0], "python3"), (43, pids[1], "python3"), (13, pids[2], "python3"), (13, pids[3], "python3")]
     assert all(p.report == "event" for p in out.problems)           # about applications: no condition
     assert [(p.rule, p.occurrences) for p in out.problems if p.rule == "xid-13"] == [("xid-13", 1)] * 2

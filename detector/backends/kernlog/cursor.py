@@ -7,11 +7,21 @@ import logging
 import os
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args
 
 from detector.backends.quarantine import kept_at
 
 log = logging.getLogger(__name__)
+
+# Where a reader with no cursor of this boot begins: at the end (only what comes next) or the beginning.
+Start = Literal["end", "beginning"]
+
+
+def checked_start(start: str) -> Start:
+    """`start` as given, or a ValueError naming what is allowed (a typo must not read as "end")."""
+    if start not in get_args(Start):
+        raise ValueError(f"start must be 'end' or 'beginning', not {start!r}")
+    return start  # type: ignore[return-value]
 
 
 class CursorStore:

@@ -10,14 +10,13 @@ import shutil
 import subprocess
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Literal
+from typing import Any, Callable
 
-from detector.backends.kernlog.cursor import CursorStore
+from detector.backends.kernlog.cursor import CursorStore, Start, checked_start
 from detector.backends.kernlog.records import NO_FIELDS, LogLine
 
 log = logging.getLogger(__name__)
 
-Start = Literal["end", "beginning"]
 Runner = Callable[..., "subprocess.CompletedProcess[bytes]"]
 
 DEFAULT_MAX_ENTRIES = 5_000    # per run, so a flood costs several runs, not one unbounded JSON dump
@@ -123,8 +122,7 @@ class JournaldReader:
     def __init__(self, cursor: CursorStore, journalctl: str = "journalctl", timeout_s: float = 10,
                  runner: Runner = subprocess.run, start: Start = "end", boot_id: str | None = None,
                  max_entries: int = DEFAULT_MAX_ENTRIES, which: Callable[[str], str | None] = shutil.which):
-        if start not in ("end", "beginning"):
-            raise ValueError(f"start must be 'end' or 'beginning', not {start!r}")
+        checked_start(start)
         self.cursor_store = cursor
         self.name = "journald"
         self.journalctl = journalctl

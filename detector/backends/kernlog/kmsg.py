@@ -16,14 +16,13 @@ import stat
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Literal, Protocol
+from typing import Callable, Protocol
 
-from detector.backends.kernlog.cursor import CursorStore
+from detector.backends.kernlog.cursor import CursorStore, Start, checked_start
 from detector.backends.kernlog.records import NO_FIELDS, LogLine
 
 log = logging.getLogger(__name__)
 
-Start = Literal["end", "beginning"]
 
 RECORD_MAX = 8192              # the kernel's per-record limit (CONSOLE_EXT_LOG_MAX); a smaller read gets EINVAL
 DEFAULT_BATCH_LIMIT = 100_000  # records per read_available when the caller sets no limit: never spin forever
@@ -231,8 +230,7 @@ class KmsgReader:
 
     def __init__(self, device: KmsgDevice, boot_id: str | None, boot_time: float, cursor: CursorStore,
                  start: Start = "end", batch_limit: int = DEFAULT_BATCH_LIMIT):
-        if start not in ("end", "beginning"):
-            raise ValueError(f"start must be 'end' or 'beginning', not {start!r}")
+        checked_start(start)
         self.device = device
         self.name = "kmsg"
         self.boot_id = boot_id

@@ -12,14 +12,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from io import FileIO
-from typing import Callable, Literal
+from typing import Callable
 
-from detector.backends.kernlog.cursor import CursorStore
+from detector.backends.kernlog.cursor import CursorStore, Start, checked_start
 from detector.backends.kernlog.records import LogLine
 
 log = logging.getLogger(__name__)
 
-Start = Literal["end", "beginning"]
 
 CHUNK = 1 << 20                 # bytes per read
 MAX_LINE = 1 << 20              # a line this long without a newline is handed out as it is (binary junk)
@@ -70,8 +69,7 @@ class LogFileTail:
     def __init__(self, path: Path | str, cursor: CursorStore, start: Start = "end",
                  rotate_wait_s: float = 5.0, clock: Callable[[], float] = time.monotonic,
                  batch_limit: int = DEFAULT_BATCH_LIMIT, chunk_size: int = CHUNK):
-        if start not in ("end", "beginning"):
-            raise ValueError(f"start must be 'end' or 'beginning', not {start!r}")
+        checked_start(start)
         self.path = Path(path)
         self.name = str(self.path)
         self.cursor = cursor

@@ -20,6 +20,7 @@ from detector.backends.kernlog.records import LogLine, is_kernel
 from detector.checks.xid.applications import GPU_SUSPECT_XIDS, ApplicationFaults
 from detector.checks.xid.incidents import IncidentTracker, gpu_for
 from detector.checks.xid.logfiles import LogNotFound, SavedLog, looks_like_kernel_log, read_head, saved_logs
+from detector.checks.xid.metrics import XidMetrics
 from detector.checks.xid.nvml_events import NvmlXidListener
 from detector.checks.xid.parser import KERNEL, USER_SPACE, KernelEvent, SplitStart, UuidMapping, parse_line
 from detector.checks.xid.scan import scan_stream
@@ -83,6 +84,7 @@ class XidCheck(Check):
     default_interval_s = 5.0
     default_timeout_s = 60.0
     needs_fresh_inventory = False
+    metrics = XidMetrics
 
     def __init__(self, config: dict[str, Any] | None = None):
         super().__init__(config)

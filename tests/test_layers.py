@@ -102,3 +102,11 @@ def test_backends_are_the_bottom_layer():
                        if name.split(".")[0] == "fake_nvml"
                        or (name.startswith("detector") and not name.startswith("detector.backends")))
     assert not offenders, offenders
+
+
+def test_the_agent_imports_no_check():
+    """Checks reach the agent through what it holds (the Check, its runs); the agent names none of them."""
+    agent = DETECTOR / "agent"
+    offenders = sorted(f"{p.relative_to(DETECTOR.parent)} imports {name}" for p in agent.rglob("*.py")
+                       for name in imports(p) if name == "detector.checks" or name.startswith("detector.checks."))
+    assert not offenders, offenders

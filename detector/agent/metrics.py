@@ -5,7 +5,10 @@ A registry the agent makes itself also carries the process's own metrics (promet
 ProcessCollector: `process_resident_memory_bytes`, `process_cpu_seconds_total`, open fds, start time),
 so the daemon's footprint can be watched where it runs, against the DaemonSet's requests and limits.
 They describe the whole process: where agents share one (the tests) or run beside the API emulator
-(`make demo`), those count too."""
+(`make demo`), those count too.
+
+A check's own metrics come with its runs: the gauges it declares (`Check.gauges`), and what those
+cannot say, in code of its own (`Check.metrics`); this module names no check."""
 
 from __future__ import annotations
 
@@ -15,10 +18,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, ProcessCollecto
 
 from detector.agent.active import ConditionStatus
 from detector.agent.agent import AgentSink
-from detector.core.check import GaugeSpec
+from detector.core.check import CheckMetrics, GaugeSpec, gpu_labels
 from detector.core.inventory import Inventory
 from detector.core.gpu_health import STATE_VALUE, GpuHealth, gpu_key
-from detector.core.sweep import SweepResult
+from detector.core.sweep import CheckRun, SweepResult
 from detector.core.types import Observation, Problem
 
 
@@ -34,10 +37,8 @@ class AgentMetrics(AgentSink):
                                        "conditions when they become true", ["type", "reason"], registry=r)
         self.problem_gauge = Gauge("gpu_npd_problem_gauge", "1 while a condition of this type is true with "
                                    "this reason", ["type", "reason"], registry=r)
-        self.xid = Counter("gpu_npd_xid", "XID and SXid lines seen, per GPU (or NVSwitch) and code",
-                           ["kind", "code", "gpu", "pci_bus_id"], registry=r)
         self._check_gauges: dict[str, Gauge] = {}       # made on a check's first run: its declared gauges
-        self._nccl_gauges: _NcclGauges | None = None     # made by the first probe: absent, not 0, till then
+        self._check_metrics: dict[type[CheckMetrics], CheckMetrics] = {}    # and its own metrics
         self.check_duration = Gauge("gpu_npd_check_duration_seconds", "Duration of the check's last run",
                                     ["check"], registry=r)
         self.check_runs = Counter("gpu_npd_check_runs", "Check runs by how they ended (ok, error, timeout)",
@@ -90,15 +91,18 @@ class AgentMetrics(AgentSink):
         for run in result.runs:
             self.check_runs.labels(run.name, run.status).inc()
             self.check_duration.labels(run.name).set(run.duration_ms / 1000)
-            if run.name == "nccl" and run.result:
-                self._nccl(run.result, result.started)
+            self._check_metrics_of(run, result.started)
             for obs in run.observations:
-                gpu = "" if obs.gpu is None or obs.gpu.index is None else str(obs.gpu.index)
-                bus = obs.fields.get("pci_bus_id") or (obs.gpu.pci_bus_id if obs.gpu else "") or ""
-                if run.name == "xid":
-                    self.xid.labels(obs.fields.get("kind", ""), str(obs.fields.get("code", "")), gpu,
-                                    bus).inc(int(obs.fields.get("count") or 1))
-                self._export(run.gauges, obs, gpu, bus)
+                self._export(run.gauges, obs)
+
+    def _check_metrics_of(self, run: CheckRun, when: float) -> None:
+        """A check's metrics in code: made on its first finished run (absent, not 0, till then)."""
+        if run.metrics is None:
+            return
+        metrics = self._check_metrics.get(run.metrics)
+        if metrics is None:
+            metrics = self._check_metrics[run.metrics] = run.metrics(self.registry)
+        metrics.export(run, when)
 
     def _gpu_info(self, inventory: Inventory) -> None:
         """One series per GPU by bus id; a GPU whose labels change (a board swapped, a VBIOS updated) loses
@@ -115,8 +119,9 @@ class AgentMetrics(AgentSink):
             self.gpu_info.labels(*labels).set(1)
             self._info_series[g.pci_bus_id] = labels
 
-    def _export(self, gauges: Mapping[str, GaugeSpec], obs: Observation, gpu: str, bus: str) -> None:
+    def _export(self, gauges: Mapping[str, GaugeSpec], obs: Observation) -> None:
         """Set the gauges a check declares from one observation; a field it lacks (None) sets nothing."""
+        gpu, bus = gpu_labels(obs)
         for metric, spec in gauges.items():
             value = obs.fields.get(spec.field)
             if not isinstance(value, (int, float)):
@@ -144,29 +149,6 @@ class AgentMetrics(AgentSink):
             self.gpu_incidents.labels(*labels[:3]).set(h.incidents)
             self._incident_series[key] = labels[:3]
 
-    def _nccl(self, probe: dict, when: float) -> None:
-        """The probe's gauges exist from its first run on: a node where it is off (the default) exports
-        none of them, rather than zeros that read like a failed or empty measurement."""
-        g = self._nccl_gauges = self._nccl_gauges or _NcclGauges(self.registry)
-        g.last.set(when)
-        measured = probe.get("status") == "ok"
-        g.ok.set(1 if measured and not probe.get("wrong") else 0)
-        if measured:
-            for stat in ("avg", "min"):
-                if probe.get(f"{stat}_busbw_gbps") is not None:
-                    g.busbw.labels(stat).set(probe[f"{stat}_busbw_gbps"])
-            g.wrong.set(probe.get("wrong") or 0)
-
     def api_request(self, verb: str, resource: str, code: str) -> None:
         self.api_requests.labels(verb, resource, code).inc()
 
-
-class _NcclGauges:
-    def __init__(self, r: CollectorRegistry):
-        self.busbw = Gauge("gpu_npd_nccl_bus_bandwidth_gbps", "All-reduce bus bandwidth of the last NCCL probe "
-                           "that measured, GB/s (stat: avg or min)", ["stat"], registry=r)
-        self.wrong = Gauge("gpu_npd_nccl_wrong_values", "Values the last NCCL probe got wrong", registry=r)
-        self.ok = Gauge("gpu_npd_nccl_probe_success", "1 when the last NCCL probe measured with no wrong "
-                        "values, 0 when it failed, hung or got values wrong", registry=r)
-        self.last = Gauge("gpu_npd_nccl_probe_timestamp_seconds", "When the last NCCL probe ran (not skipped)",
-                          registry=r)

@@ -11,7 +11,9 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping
 from detector.core.types import Observation
 
 if TYPE_CHECKING:
-    from detector.core.sweep import SweepContext
+    from prometheus_client import CollectorRegistry
+
+    from detector.core.sweep import CheckRun, SweepContext
 
 ENTRY_POINT_GROUP = "gpu_npd.checks"
 
@@ -59,6 +61,27 @@ class GaugeSpec:
     labels: tuple[str, ...] = ()
 
 
+class CheckMetrics(ABC):
+    """Metrics of one check that a declared gauge cannot say: a counter, a summary from the run's result.
+    The agent's metrics make one per class, in their own registry, on the first finished run of a check
+    that names it (`Check.metrics`), and hand it every finished run of that check from then on."""
+
+    @abstractmethod
+    def __init__(self, registry: "CollectorRegistry") -> None:
+        """Register the metrics in `registry` (the agent's own: several agents may share a process)."""
+
+    @abstractmethod
+    def export(self, run: "CheckRun", when: float) -> None:
+        """One finished run; `when`: the wall-clock time its sweep started."""
+
+
+def gpu_labels(obs: Observation) -> tuple[str, str]:
+    """The `gpu` and `pci_bus_id` labels of an observation's series ('' where it names none)."""
+    gpu = "" if obs.gpu is None or obs.gpu.index is None else str(obs.gpu.index)
+    bus = obs.fields.get("pci_bus_id") or (obs.gpu.pci_bus_id if obs.gpu else "") or ""
+    return gpu, bus
+
+
 @dataclass
 class CheckOutput:
     observations: list[Observation] = field(default_factory=list)
@@ -80,6 +103,7 @@ class Check(ABC):
     fields: ClassVar[Mapping[str, str]]
     config_fields: ClassVar[Mapping[str, ConfigField]] = {}
     gauges: ClassVar[Mapping[str, GaugeSpec]] = {}        # metric name -> the field it exports
+    metrics: ClassVar[type[CheckMetrics] | None] = None   # what it exports that gauges cannot say
     default_interval_s: ClassVar[float] = 60.0
     default_timeout_s: ClassVar[float] = 15.0
     # False: a GPU inventory up to a minute old will do (the xid check only maps bus ids to GPUs),

@@ -9,7 +9,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from detector.backends.pci import PciBus, PciDevice, nvidia_gpus
 from detector.backends.smi import NvidiaSmi
-from detector.core.check import Check, CheckOutput, CheckSkipped, GaugeSpec
+from detector.core.check import Check, CheckMetrics, CheckOutput, CheckSkipped, GaugeSpec
 from detector.core.deadline import Hung, Pending
 from detector.core.inventory import Inventory, read_inventory
 from detector.core.nodestatus import NodeStatus
@@ -74,6 +74,7 @@ class CheckRun:
     retry_after_s: float | None = None # a skipped check asks to be tried again this soon
     summary: str = ""
     gauges: Mapping[str, GaugeSpec] = field(default_factory=dict)   # the check's exported fields
+    metrics: type[CheckMetrics] | None = None                       # and its metrics in code
 
     def status_observation(self) -> Observation:
         """Every run is itself an observation, so rules can flag checks that hang or fail."""
@@ -164,7 +165,7 @@ def finished_run(check: Check, output: CheckOutput, duration_ms: float) -> Check
     """The run a check's output makes: status error when the output says it partly failed."""
     return CheckRun(check.name, "error" if output.error else "ok", duration_ms, output.error,
                     result=output.result, observations=list(output.observations), summary=output.summary,
-                    gauges=check.gauges)
+                    gauges=check.gauges, metrics=check.metrics)
 
 
 def _no_progress(check: str, message: str) -> None:

@@ -16,6 +16,7 @@ import threading
 from contextlib import contextmanager
 from typing import Any, Iterator
 
+from detector.checks.nccl.metrics import NcclMetrics
 from detector.checks.nccl.probe import ProbeBackend, ProbeRequest, ProbeResult, ProbeUnavailable
 from detector.checks.nccl.size import parse_size, show_size
 from detector.core.check import Check, CheckOutput, CheckSkipped, ConfigField
@@ -63,6 +64,7 @@ class NcclCheck(Check):
     default_timeout_s = 300.0
     enabled_by_default = False
     long_running = True
+    metrics = NcclMetrics
 
     def __init__(self, config: dict[str, Any] | None = None):
         super().__init__(config)

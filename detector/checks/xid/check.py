@@ -20,6 +20,7 @@ from detector.backends.kernlog.records import LogLine, is_kernel
 from detector.checks.xid.applications import GPU_SUSPECT_XIDS, ApplicationFaults
 from detector.checks.xid.incidents import IncidentTracker, gpu_for
 from detector.checks.xid.logfiles import LogNotFound, SavedLog, looks_like_kernel_log, read_head, saved_logs
+from detector.checks.xid.metrics import XidMetrics
 from detector.checks.xid.nvml_events import NvmlXidListener
 from detector.checks.xid.parser import KERNEL, USER_SPACE, KernelEvent, SplitStart, UuidMapping, parse_line
 from detector.checks.xid.scan import scan_stream
@@ -83,6 +84,7 @@ class XidCheck(Check):
     default_interval_s = 5.0
     default_timeout_s = 60.0
     needs_fresh_inventory = False
+    metrics = XidMetrics
 
     def __init__(self, config: dict[str, Any] | None = None):
         super().__init__(config)
@@ -101,7 +103,7 @@ class XidCheck(Check):
         gpus = {g.pci_bus_id: g.ref() for g in ctx.inventory.gpus if g.pci_bus_id}
         self._uuids.update({g.pci_bus_id: g.uuid for g in ctx.inventory.gpus if g.pci_bus_id and g.uuid})
         self._incidents.start_run()
-        run = _Run(self, gpus)
+        run = _Run(self._incidents, gpus, self._uuids, self.config["max_kernel_events"])
         nvml_count = self._read_nvml(ctx, run)          # first: its listen window may let log lines land
         path = self.config["kernel_log_file"]
         if path:
@@ -152,7 +154,7 @@ class XidCheck(Check):
                 continue                         # kmsg and journald deliver split messages whole
             boot = line.boot_id or self._live_boots.see(parsed)
             if isinstance(parsed, KernelEvent):
-                run.take(parsed, line.lineno, boot, line.realtime or parsed.time, "kernel", seq=line.seq)
+                run.take(parsed, line.lineno, boot, line.realtime or parsed.time, seq=line.seq)
         return getattr(reader, "name", type(reader).__name__)
 
     # -- a saved log (post-mortem) ---------------------------------------------------------------
@@ -194,7 +196,7 @@ class XidCheck(Check):
                 split = None
             boot = timeline.see(parsed)
             if isinstance(parsed, KernelEvent):
-                run.take(parsed, lineno, boot, timeline.judged_time(parsed), "kernel", file=log.name)
+                run.take(parsed, lineno, boot, timeline.judged_time(parsed), file=log.name)
 
         try:
             with log.open() as stream:
@@ -228,11 +230,15 @@ def _proven_kernel(line: LogLine, parsed: Any) -> bool:
 
 
 class _Run:
-    """What one run of the check gathers."""
+    """What one run of the check gathers: the kernel lines it lists, and the incidents they make in the
+    check's tracker (which merges them with NVML's events of the same faults)."""
 
-    def __init__(self, check: XidCheck, gpus: dict[str, GpuRef]):
-        self.check = check
+    def __init__(self, incidents: IncidentTracker, gpus: dict[str, GpuRef], uuids: dict[str, str],
+                 max_events: int):
+        self.incidents = incidents
         self.gpus = gpus
+        self.uuids = uuids                    # bus id -> UUID, as the log maps them (the check's, updated live)
+        self.max_events = max_events
         self.events: list[dict[str, Any]] = []
         self.omitted = 0
         self.lines = 0
@@ -241,26 +247,26 @@ class _Run:
         self.ignored_lines: list[dict[str, Any]] = []
         self.saved: dict[str, Any] = {}
 
-    def take(self, event: KernelEvent, lineno: int | None, boot: str, when: float | None, source: str,
+    def take(self, event: KernelEvent, lineno: int | None, boot: str, when: float | None,
              seq: int | None = None, file: str | None = None) -> None:
         """A kernel-log line. One a user-space facility wrote (the log's format shows it) is no XID:
         it is counted and named as ignored, never an event."""
         if event.origin == USER_SPACE:
             self.ignored += 1
-            if len(self.ignored_lines) < self.check.config["max_kernel_events"]:
+            if len(self.ignored_lines) < self.max_events:
                 self.ignored_lines.append({"kind": event.kind, "code": event.code, "line": lineno, "file": file,
                                            "message": event.message})
             return
         self._list(event, lineno, seq, boot, file)
-        self.check._incidents.add(event, boot, when, lineno, file, source, taken=time.time())
+        self.incidents.add_kernel(event, boot, when, lineno, file, taken=time.time())
 
     def _list(self, event: KernelEvent, lineno: int | None, seq: int | None, boot: str, file: str | None) -> None:
         if event.origin != KERNEL:
             self.unverified += 1
-        if len(self.events) >= self.check.config["max_kernel_events"]:
+        if len(self.events) >= self.max_events:
             self.omitted += 1
             return
-        gpu = gpu_for(event.pci_bus_id, self.gpus, self.check._uuids)
+        gpu = gpu_for(event.pci_bus_id, self.gpus, self.uuids)
         entry = {
             "kind": event.kind, "code": event.code, "pci_bus_id": event.pci_bus_id or None, "pid": event.pid,
             "process_name": event.process_name or None,
@@ -297,8 +303,7 @@ def _summary(name: str, run: _Run, timeline: SavedLogTimeline) -> str:
         rows.append(f"  {when}  {e['boot']}  line {e['line']}  {e['kind'].upper()} {e['code']}  {who}"
                     f"{mark}  {e['message'][:100]}")
     if total > TABLE_EVENTS:
-        rows.append(f"  ... {total - TABLE_EVENTS:,} more (-o json lists up to "
-                    f"{run.check.config['max_kernel_events']:,})")
+        rows.append(f"  ... {total - TABLE_EVENTS:,} more (-o json lists up to {run.max_events:,})")
     if run.ignored:
         where = ", ".join(f"line {i['line']}" for i in run.ignored_lines[:TABLE_IGNORED])
         more = f", +{run.ignored - TABLE_IGNORED:,} more" if run.ignored > TABLE_IGNORED else ""

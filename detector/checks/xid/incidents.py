@@ -86,6 +86,21 @@ class Incident:
             return self.first.pid in (None, event.pid)
         return not (self.opened_without_pid and self.first.pid is not None)   # that fault was complete
 
+    def match_nvml(self) -> None:
+        """NVML's event API reported this fault too: one incident, `source: both`."""
+        self.nvml_matched = True
+        self.sources.add("nvml")
+
+    def explained_by(self, event: KernelEvent, line: int | None, file: str | None, when: float | None,
+                     follows: int | None) -> None:
+        """NVML saw this fault first (its code and GPU only): the kernel's first line of it says the rest,
+        and its lines are counted from this one."""
+        self.first, self.line, self.file = event, line, file
+        self.first_time = self.last_time = when
+        self.opened_without_pid = event.pid is None
+        self.count = 0
+        self.follows = follows
+
     def take_process(self, event: KernelEvent) -> None:
         """The pid and name from whichever line of the fault has them."""
         if self.first.pid is None and event.pid is not None:
@@ -154,9 +169,10 @@ class IncidentTracker:
         self._kernel_seen.clear()
         self._nvml_pending.clear()
 
-    def add(self, event: KernelEvent, boot: str, when: float | None, line: int | None, file: str | None,
-            source: str = "kernel", taken: float | None = None) -> Incident | None:
-        """A kernel-log line: it continues an incident, folds into one, or opens one."""
+    def add_kernel(self, event: KernelEvent, boot: str, when: float | None, line: int | None, file: str | None,
+                   taken: float | None = None) -> Incident | None:
+        """A kernel-log line: it continues an incident, folds into one, explains one NVML reported, or
+        opens one. `taken`: the wall clock when it was read, which NVML's events are matched by."""
         if event.kind == "sxid" and event.detail:
             folded = self._fold_detail(event, boot, when)
             if folded is not None:
@@ -170,11 +186,7 @@ class IncidentTracker:
         else:
             incident = self._from_nvml(event, taken) if not same else None
             if incident is not None:                       # NVML reported this fault first, this run
-                incident.first, incident.line, incident.file = event, line, file
-                incident.first_time = incident.last_time = when
-                incident.opened_without_pid = event.pid is None
-                incident.count = 0
-                incident.follows = self._follows(event, boot, when)
+                incident.explained_by(event, line, file, when, self._follows(event, boot, when))
             else:
                 if len(self.groups) >= MAX_GROUPS:
                     self.overflow += 1
@@ -189,15 +201,15 @@ class IncidentTracker:
                     incident.opened_without_pid = last.incident.opened_without_pid
                     incident.nvml_matched = last.incident.nvml_matched
                 if not same and taken is not None and self._nvml_earlier(event, taken):
-                    incident.nvml_matched = True           # NVML's event of an earlier run reported it:
-                    incident.sources.add("nvml")           # followed (its later lines join it), not reported
+                    incident.match_nvml()                  # NVML's event of an earlier run reported it:
+                                                           # followed (its later lines join it), not reported
                 else:
                     self.groups.append(incident)
             if taken is not None:
                 self._kernel_seen.append(_Seen(taken, incident, self.run))
         incident.count += 1
         incident.pid_lines += event.pid is not None
-        incident.sources.add(source)
+        incident.sources.add("kernel")
         if when is not None:
             incident.last_time = when if incident.last_time is None else max(incident.last_time, when)
         remembered = _Last(when, incident, self.run)
@@ -217,8 +229,7 @@ class IncidentTracker:
             e = seen.incident.first
             if not seen.incident.nvml_matched and (e.kind, e.code, e.pci_bus_id) == ("xid", event.code,
                                                                                      event.pci_bus_id):
-                seen.incident.nvml_matched = True
-                seen.incident.sources.add("nvml")
+                seen.incident.match_nvml()
                 return None
         if len(self.groups) >= MAX_GROUPS:
             self.overflow += 1

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from detector.checks.smi_listing import parse_smi_list
-from detector.core.pciaddr import nvml_bus_id
+from detector.backends.pciaddr import nvml_bus_id
+from detector.backends.smi_listing import parse_smi_list
 from fake_nvml.faults import Fault
 from fake_nvml.node import FakeNode, NodeState
 from fake_nvml.nvml import FakeNvml
@@ -100,7 +100,7 @@ def test_lost_gpu_reads_like_the_real_one():
     """The fake's lost-GPU line says what a real driver said (marian-nmt/marian#251) and reads the same."""
     import yaml
 
-    from detector.checks.smi_listing import parse_smi_list
+    from detector.backends.smi_listing import parse_smi_list
     real = yaml.safe_load((REPO_ROOT / "tests/fixtures/real_smi/gh-marian-nmt-marian-251.yaml").read_text())
     [real_reason] = real["expect"]["errors"].values()
     result = smi("h100-sxm-8-xid79", "-L")

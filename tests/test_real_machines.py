@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from conftest import diagnose_host
-from detector.core.pciaddr import normalize_bus_id
+from detector.backends.pciaddr import normalize_bus_id
 from fake_nvml.replay.host import replay_host
 
 MACHINES = Path(__file__).parent / "fixtures" / "real_machines"

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from detector.checks.smi_listing import parse_smi_list
+from detector.backends.smi_listing import parse_smi_list
 
 ROOT = Path(__file__).parent / "fixtures" / "real_smi"
 CASES = sorted(ROOT.glob("*.yaml"))

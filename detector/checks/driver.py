@@ -20,6 +20,7 @@ from detector.backends.nvmlcompat import constant as nvml_constant
 from detector.backends.system import SystemInfo
 from detector.core.check import Check, CheckOutput, ConfigField, GaugeSpec
 from detector.core.inventory import GpuInfo, _optional, nvml_error_name
+from detector.core.per_gpu import read_each_gpu
 from detector.core.sweep import SweepContext
 from detector.core.types import Observation
 
@@ -110,29 +111,24 @@ class DriverCheck(Check):
 
     def run(self, ctx: SweepContext) -> CheckOutput:
         info, error = _read_system(ctx)
-        gpus, errors = [], []
-        for gpu in ctx.inventory.gpus:
-            if gpu.handle is None or gpu.error:
-                continue
-            try:
-                gpus.append(_gpu_fields(ctx.host.nvml, gpu, info))
-            except pynvml.NVMLError as e:
-                errors.append(f"GPU {gpu.index}: {nvml_error_name(e)}")
+        read = read_each_gpu(ctx.inventory.gpus, lambda gpu: _gpu_fields(ctx.host.nvml, gpu, info),
+                             describe=nvml_error_name)
+        gpus = [fields for _, fields in read.readings]
         node = self._node_fields(ctx, info, gpus)
         observations = [Observation(self.name, node)]
         # A node whose other GPUs run with persistence shows it is set up for it: one without it lost it
         # (a GPU reset or a driver reload drops the setting), whatever require_persistence says.
         enabled = sum(g["persistence_mode"] == "enabled" for g in gpus)
         required = {"persistence_required": bool(self.config["require_persistence"])}
-        observations += [Observation(self.name, {**dict.fromkeys(self.fields), **f, **required,
+        observations += [Observation(self.name, {**dict.fromkeys(self.fields), **_without_ids(f), **required,
                                                  "persistence_on_others": enabled - (f["persistence_mode"] == "enabled")},
                                      gpu.ref())
-                         for gpu, f in gpus_with_refs(ctx.inventory.gpus, gpus)]
+                         for gpu, f in read.readings]
         result = {"node": {k: v for k, v in node.items() if k in NODE_FIELDS}, "gpus": gpus}
         unreadable = list(info.errors) if info is not None else [error] if error else []
         if unreadable:
             result["node"]["unreadable"] = unreadable      # "unknown" in the fields, never a failed check
-        return CheckOutput(observations, result, summary=_summary(node, gpus), error="; ".join(errors))
+        return CheckOutput(observations, result, summary=_summary(node, gpus), error="; ".join(read.errors))
 
     def _node_fields(self, ctx: SweepContext, info: SystemInfo | None, gpus: list[dict[str, Any]]) -> dict[str, Any]:
         fields: dict[str, Any] = dict.fromkeys(self.fields)
@@ -162,9 +158,9 @@ class DriverCheck(Check):
         return fields
 
 
-def gpus_with_refs(inventory: list[GpuInfo], gpus: list[dict[str, Any]]) -> list[tuple[GpuInfo, dict[str, Any]]]:
-    by_index = {g.index: g for g in inventory}
-    return [(by_index[f["index"]], {k: v for k, v in f.items() if k not in ("index", "uuid")}) for f in gpus]
+def _without_ids(gpu_fields: dict[str, Any]) -> dict[str, Any]:
+    """A GPU's result entry less its index and UUID, which its observation carries as its GpuRef."""
+    return {k: v for k, v in gpu_fields.items() if k not in ("index", "uuid")}
 
 
 def _read_system(ctx: SweepContext) -> tuple[SystemInfo | None, str]:

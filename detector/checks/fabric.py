@@ -29,6 +29,7 @@ import pynvml
 from detector.backends.nvmlcompat import GpuFabricInfo, GpuFabricInfoV2, constant as nvml_constant
 from detector.backends.pci import nvswitch_count
 from detector.core.check import Check, CheckOutput, GaugeSpec
+from detector.core.per_gpu import read_each_gpu
 from detector.core.sweep import SweepContext
 from detector.core.types import Observation
 
@@ -80,15 +81,9 @@ class FabricCheck(Check):
     def run(self, ctx: SweepContext) -> CheckOutput:
         nvml, now = ctx.host.nvml, self._clock()
         snapshot = ctx.host.snapshot
-        observations, gpus, errors = [], [], []
-        for gpu in ctx.inventory.gpus:
-            if gpu.handle is None or gpu.error:
-                continue
-            try:
-                fields = _gpu_fields(nvml, gpu.handle)
-            except pynvml.NVMLError as e:
-                errors.append(f"GPU {gpu.index}: {e}")
-                continue
+        observations, gpus = [], []
+        read = read_each_gpu(ctx.inventory.gpus, lambda gpu: _gpu_fields(nvml, gpu.handle))
+        for gpu, fields in read.readings:
             key = gpu.uuid or str(gpu.index)
             fields["one_snapshot"] = snapshot
             if fields["fabric_state"] in ("not_started", "in_progress"):
@@ -104,7 +99,7 @@ class FabricCheck(Check):
         node, note = _node_fields(ctx)
         observations.append(Observation(self.name, node))
         result = {"node": {**node, **({"note": note} if note else {})}, "gpus": gpus}
-        return CheckOutput(observations, result, summary=_summary(node, gpus), error="; ".join(errors))
+        return CheckOutput(observations, result, summary=_summary(node, gpus), error="; ".join(read.errors))
 
 
 def _gpu_fields(nvml: Any, handle: Any) -> dict[str, Any]:

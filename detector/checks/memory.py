@@ -17,6 +17,7 @@ import pynvml
 
 from detector.core.check import Check, CheckOutput, ConfigField, GaugeSpec
 from detector.core.inventory import _optional
+from detector.core.per_gpu import read_each_gpu
 from detector.core.rates import CounterWindow
 from detector.core.sweep import SweepContext
 from detector.core.types import Observation
@@ -94,15 +95,9 @@ class MemoryCheck(Check):
 
     def run(self, ctx: SweepContext) -> CheckOutput:
         nvml, now = ctx.host.nvml, self._clock()
-        observations, gpus, errors = [], [], []
-        for gpu in ctx.inventory.gpus:
-            if gpu.handle is None or gpu.error:
-                continue
-            try:
-                fields, by_location = _read(nvml, gpu.handle)
-            except pynvml.NVMLError as e:
-                errors.append(f"GPU {gpu.index}: {e}")
-                continue
+        observations, gpus = [], []
+        read = read_each_gpu(ctx.inventory.gpus, lambda gpu: _read(nvml, gpu.handle))
+        for gpu, (fields, by_location) in read.readings:
             count = fields["aggregate_uncorrected"]
             if count is None:
                 count = fields["volatile_uncorrected"]
@@ -112,7 +107,7 @@ class MemoryCheck(Check):
             observations.append(Observation(self.name, fields, gpu.ref()))
             gpus.append({"index": gpu.index, "uuid": gpu.uuid, **fields, "by_location": by_location})
         self._uncorrected.keep_only({g.uuid for g in ctx.inventory.gpus if g.uuid})
-        return CheckOutput(observations, {"gpus": gpus}, summary=_summary(gpus), error="; ".join(errors))
+        return CheckOutput(observations, {"gpus": gpus}, summary=_summary(gpus), error="; ".join(read.errors))
 
 
 def _read(nvml: Any, handle: Any) -> tuple[dict[str, Any], dict[str, dict[str, int]]]:

@@ -39,6 +39,7 @@ from detector.backends.nvmlcompat import constant as nvml_constant
 from detector.backends.pci import nvswitch_count
 from detector.core.check import Check, CheckOutput, ConfigField, GaugeSpec
 from detector.core.inventory import GpuInfo
+from detector.core.per_gpu import read_each_gpu
 from detector.core.rates import CounterWindow
 from detector.core.sweep import SweepContext
 from detector.core.types import Observation
@@ -125,21 +126,10 @@ class NvlinkCheck(Check):
         nvml, now = ctx.host.nvml, self._clock()
         self._history.start_boot(ctx.host.current_boot())
         uptime = ctx.host.uptime_s()
-        observations, gpus, errors = [], [], []
-        states: dict[int, dict[int, bool]] = {}
-        unknown: list[GpuInfo] = []
-        for gpu in ctx.inventory.gpus:
-            if gpu.handle is None or gpu.error:
-                continue
-            try:
-                answer = _link_states(nvml, gpu.handle)
-            except pynvml.NVMLError as e:
-                errors.append(f"GPU {gpu.index}: {e}")
-                continue
-            if answer is None:
-                unknown.append(gpu)
-            else:
-                states[gpu.index] = answer
+        observations, gpus = [], []
+        answers = read_each_gpu(ctx.inventory.gpus, lambda gpu: _link_states(nvml, gpu.handle))
+        states = {gpu.index: answer for gpu, answer in answers.readings if answer is not None}
+        unknown = [gpu for gpu, answer in answers.readings if answer is None]
         for gpu in unknown:
             fields = {**dict.fromkeys(self.fields), "scope": "gpu", "nvlink": "unknown",
                       "expected_because": "NVLink state cannot be read here"}
@@ -148,13 +138,10 @@ class NvlinkCheck(Check):
         read = [g for g in ctx.inventory.gpus if g.index in states]
         held = {g.index: self._history.observe(g.uuid or str(g.index), states[g.index], now, uptime) for g in read}
         evidence = _nvlink_evidence(ctx, states, self._history)
-        for gpu in read:
-            expected, because = self._expected(gpu, read, states, evidence)
-            try:
-                fields, per_link = self._read(nvml, gpu, now, states[gpu.index], expected, because)
-            except pynvml.NVMLError as e:
-                errors.append(f"GPU {gpu.index}: {e}")
-                continue
+        expectations = {g.index: self._expected(g, read, states, evidence) for g in read}
+        counted = read_each_gpu(read, lambda g: self._read(nvml, g, now, states[g.index], *expectations[g.index]))
+        for gpu, (fields, per_link) in counted.readings:
+            expected, because = expectations[gpu.index]
             debounce = float(self.config["debounce"])
             links = [Observation(self.name, {
                 "scope": "link", "nvlink": "supported", "link": link, "link_state": "inactive",
@@ -168,7 +155,8 @@ class NvlinkCheck(Check):
         live = {g.uuid for g in ctx.inventory.gpus if g.uuid}
         self._window.keep_only({(u, c) for u in live for c in RATED})
         self._last_links = {u: v for u, v in self._last_links.items() if u in live}
-        return CheckOutput(observations, {"gpus": gpus}, summary=_summary(gpus), error="; ".join(errors))
+        return CheckOutput(observations, {"gpus": gpus}, summary=_summary(gpus),
+                           error="; ".join(answers.errors + counted.errors))
 
     def _read(self, nvml: Any, gpu: GpuInfo, now: float, states: dict[int, bool], expected: set[int],
               because: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:

@@ -34,6 +34,7 @@ import pynvml
 from detector.checks.nvlink import _field_value
 from detector.core.check import Check, CheckOutput, ConfigField, GaugeSpec
 from detector.core.inventory import _optional
+from detector.core.per_gpu import read_each_gpu
 from detector.core.rates import CounterWindow
 from detector.core.sweep import SweepContext
 from detector.core.types import Observation
@@ -136,15 +137,12 @@ class ThermalCheck(Check):
 
     def run(self, ctx: SweepContext) -> CheckOutput:
         nvml, now = ctx.host.nvml, self._clock()
-        observations, gpus, errors = [], [], []
-        for gpu in ctx.inventory.gpus:
-            if gpu.handle is None or gpu.error or not gpu.uuid:
-                continue
-            try:
-                fields = self._observe(nvml, gpu.handle, gpu.uuid, now, held=ctx.host.snapshot)
-            except pynvml.NVMLError as e:
-                errors.append(f"GPU {gpu.index}: {e}")
-                continue
+        observations, gpus = [], []
+        held = ctx.host.snapshot
+        # samples and limits are kept by UUID: a GPU without one is not read
+        read = read_each_gpu([g for g in ctx.inventory.gpus if g.uuid],
+                             lambda gpu: self._observe(nvml, gpu.handle, gpu.uuid or "", now, held=held))
+        for gpu, fields in read.readings:
             observations.append(Observation(self.name, fields, gpu.ref()))
             gpus.append({"index": gpu.index, "uuid": gpu.uuid, **fields})
         seen = {g.uuid for g in ctx.inventory.gpus if g.uuid}
@@ -152,7 +150,7 @@ class ThermalCheck(Check):
         for table in (self._samples, self._limits):
             for uuid in set(table) - seen:
                 del table[uuid]
-        return CheckOutput(observations, {"gpus": gpus}, summary=_summary(gpus), error="; ".join(errors))
+        return CheckOutput(observations, {"gpus": gpus}, summary=_summary(gpus), error="; ".join(read.errors))
 
     def _observe(self, nvml: Any, handle: Any, uuid: str, now: float, held: bool = False) -> dict[str, Any]:
         mask = _reasons(nvml, handle)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from detector.backends.pci import PciDevice
-from detector.checks.smi_listing import SmiListing, parse_smi_list
+from detector.backends.smi_listing import SmiListing, parse_smi_list
 from detector.core.check import Check, CheckOutput, ConfigField
 from detector.core.inventory import GpuInfo, Inventory
 from detector.core.sweep import SweepContext

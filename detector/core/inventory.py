@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING, Any
 
 import pynvml
 
+from detector.backends.pciaddr import normalize_bus_id
 from detector.core.deadline import Hung, Pending, call_with_deadline
-from detector.core.pciaddr import normalize_bus_id
 from detector.core.types import GpuRef
 
 if TYPE_CHECKING:

@@ -9,8 +9,8 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any, Iterable, Mapping
 
+from detector.backends.pciaddr import normalize_bus_id
 from detector.core.nodestatus import DraDevice, NodeCondition, NodeStatus
-from detector.core.pciaddr import normalize_bus_id
 
 NVIDIA_DRA_DRIVER = "gpu.nvidia.com"
 UUID_ATTRIBUTES = ("uuid", f"{NVIDIA_DRA_DRIVER}/uuid")

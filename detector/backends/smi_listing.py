@@ -20,7 +20,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from detector.core.pciaddr import normalize_bus_id
+from detector.backends.pciaddr import normalize_bus_id
 
 EXIT_REASONS = {
     2: "invalid_argument", 3: "not_supported", 4: "no_permission", 6: "not_found", 8: "insufficient_power",

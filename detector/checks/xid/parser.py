@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from detector.checks.xid.wrappers import KERNEL, UNVERIFIED, USER_SPACE, peel
-from detector.core.pciaddr import normalize_bus_id
+from detector.backends.pciaddr import normalize_bus_id
 
 _BUS_TEXT = r"[0-9a-fA-F]{4,8}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2}(?:\.[0-7])?|[0-9a-fA-F]{2}:[0-9a-fA-F]{2}(?:\.[0-7])?"
 _BUS = rf"(?:PCI:)?(?P<bus>{_BUS_TEXT})"

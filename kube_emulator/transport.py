@@ -24,6 +24,8 @@ _BINARY_MEDIA_TYPES = ("application/vnd.kubernetes.protobuf", "application/cbor"
 
 @dataclass(frozen=True)
 class Request:
+    """One request as the App sees it: path and query apart, headers by lower-cased name."""
+
     method: str
     path: str
     query: Mapping[str, str]
@@ -49,6 +51,9 @@ class Request:
 
 @dataclass
 class Response:
+    """What the App answers: a body, or with `stream` a watch's chunks; `drop` closes the connection
+    unanswered."""
+
     code: int
     body: bytes = b""
     content_type: str = "application/json"

@@ -20,7 +20,7 @@ from kube_emulator.rbac import (
     User,
     default_groups,
 )
-from kube_emulator.store import ApiError, bad_request
+from kube_emulator.errors import ApiError, bad_request
 
 USER, GROUP, UID = "impersonate-user", "impersonate-group", "impersonate-uid"
 EXTRA_PREFIX = "impersonate-extra-"

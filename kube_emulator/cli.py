@@ -19,7 +19,7 @@ from typing import Sequence
 from kube_emulator.changes import DEFAULT_CAPACITY
 from kube_emulator.kinds import DEFAULT_DRA_VERSION, DRA_VERSIONS
 from kube_emulator.rbac import ADMIN, deploy_rbac, packaged_deploy_dir
-from kube_emulator.server import (
+from kube_emulator.emulator import (
     BOOKMARK_INTERVAL_S,
     DEFAULT_USER,
     KUBECONFIG_IDENTITIES,

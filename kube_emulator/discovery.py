@@ -11,9 +11,8 @@ from __future__ import annotations
 from typing import AbstractSet, Any
 
 from kube_emulator import openapi
-from kube_emulator.kinds import GROUP_VERSIONS
+from kube_emulator.kinds import GROUP_VERSIONS, Kind
 from kube_emulator.routes import HEALTH_PATHS, REVIEWS, group_versions
-from kube_emulator.store import Kind
 
 VERSION = {"major": "1", "minor": "35", "gitVersion": "v1.35.0", "gitCommit": "0" * 40, "gitTreeState": "clean",
            "buildDate": "2025-12-17T12:00:00Z", "goVersion": "go1.25.5", "compiler": "gc",

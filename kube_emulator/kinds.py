@@ -1,6 +1,6 @@
-"""Every resource the emulator serves, by API group and version: core/v1 nodes and events (store.py),
-core/v1 pods, coordination.k8s.io/v1 leases and resource.k8s.io ResourceSlices and DeviceTaintRules
-(here, with the little validation they get).
+"""Every resource the emulator serves, by API group and version, and what the store needs to know about
+each (`Kind`): core/v1 nodes, events and pods, coordination.k8s.io/v1 leases and resource.k8s.io
+ResourceSlices and DeviceTaintRules, with the validation they get.
 
 Pods exist so that `kubectl describe node` (which lists the node's pods) works; none exist unless
 someone creates them. Leases are what a leader election or a node heartbeat writes. ResourceSlices are
@@ -12,18 +12,18 @@ are registered at every version in DRA_VERSIONS, and one emulator serves them at
 from __future__ import annotations
 
 import json
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
 
-from kube_emulator.store import (
-    EVENTS,
-    META_MERGE_KEYS,
-    NODES,
-    Cause,
-    Kind,
+from kube_emulator.errors import Cause
+from kube_emulator.patch import PRIMITIVE
+from kube_emulator.validation import (
     is_rfc3339,
     is_subdomain,
     required,
+    unsupported,
     validate_metadata,
+    validate_times,
     value_invalid,
 )
 
@@ -34,6 +34,122 @@ DRA_VERSIONS = ("v1alpha3", "v1beta2")
 DEFAULT_DRA_VERSION = "v1alpha3"
 # Device taint effects (k8s.io/api/resource/*/types.go DeviceTaintEffect): v1beta2 (1.36) adds "None"
 DEVICE_TAINT_EFFECTS = {"v1alpha3": ("NoExecute", "NoSchedule"), "v1beta2": ("NoExecute", "NoSchedule", "None")}
+
+
+@dataclass(frozen=True)
+class Kind:
+    """What the store needs to know about one resource type."""
+
+    resource: str
+    kind: str
+    namespaced: bool
+    has_status: bool
+    merge_keys: Mapping[str, str]
+    field_selectors: frozenset[str]
+    validate: Callable[[dict], list[Cause]]
+    create_on_update: bool = False
+    group: str = ""                  # "" is the core group (/api/v1), else /apis/{group}/{version}
+    version: str = "v1"
+    singular: str = ""
+    short_names: tuple[str, ...] = ()
+
+    @property
+    def list_kind(self) -> str:
+        return self.kind + "List"
+
+    @property
+    def api_version(self) -> str:
+        return f"{self.group}/{self.version}" if self.group else self.version
+
+    @property
+    def qualified(self) -> str:
+        """The resource as RBAC messages and Status details name it: `leases.coordination.k8s.io`."""
+        return f"{self.resource}.{self.group}" if self.group else self.resource
+
+
+META_MERGE_KEYS = {"metadata.finalizers": PRIMITIVE, "metadata.ownerReferences": "uid"}
+
+CONDITION_STATUSES = ("False", "True", "Unknown")
+TAINT_EFFECTS = ("NoExecute", "NoSchedule", "PreferNoSchedule")
+
+
+def validate_node(node: dict) -> list[Cause]:
+    causes = validate_metadata(node)
+    spec = node.get("spec") or {}
+    for i, taint in enumerate(spec.get("taints") or []):
+        if not isinstance(taint, dict) or not taint.get("key"):
+            causes.append(required(f"spec.taints[{i}].key"))
+        elif taint.get("effect") not in TAINT_EFFECTS:
+            causes.append(unsupported(f"spec.taints[{i}].effect", taint.get("effect"), TAINT_EFFECTS))
+    status = node.get("status") or {}
+    conditions = status.get("conditions") or []
+    if not isinstance(conditions, list):
+        return causes + [value_invalid("status.conditions", conditions, "must be a list")]
+    seen: set[str] = set()
+    for i, cond in enumerate(conditions):
+        path = f"status.conditions[{i}]"
+        if not isinstance(cond, dict):
+            causes.append(value_invalid(path, cond, "must be an object"))
+            continue
+        kind = cond.get("type")
+        if not kind:
+            causes.append(required(f"{path}.type"))
+        elif kind in seen:
+            causes.append(Cause(f"{path}.type", f"Duplicate value: {json.dumps(kind)}", "FieldValueDuplicate"))
+        else:
+            seen.add(kind)
+        if cond.get("status") not in CONDITION_STATUSES:
+            causes.append(required(f"{path}.status") if not cond.get("status")
+                          else unsupported(f"{path}.status", cond.get("status"), CONDITION_STATUSES))
+        causes += validate_times(cond, ("lastHeartbeatTime", "lastTransitionTime"), f"{path}.")
+    for i, address in enumerate(status.get("addresses") or []):
+        if not isinstance(address, dict) or not address.get("type"):
+            causes.append(required(f"status.addresses[{i}].type"))
+    return causes
+
+
+def validate_event(event: dict) -> list[Cause]:
+    """Legacy core/v1 Event rules, including the namespace agreement Kubernetes insists on."""
+    causes = validate_metadata(event)
+    involved = event.get("involvedObject")
+    if not isinstance(involved, dict):
+        causes.append(required("involvedObject"))
+        involved = {}
+    if not event.get("reason"):
+        causes.append(required("reason"))
+    count = event.get("count")
+    if count is not None and (not isinstance(count, int) or isinstance(count, bool) or count < 0):
+        causes.append(value_invalid("count", count, "must be greater than or equal to 0"))
+    causes += validate_times(event, ("firstTimestamp", "lastTimestamp", "eventTime"), "")
+    namespace = (event.get("metadata") or {}).get("namespace", "")
+    involved_ns = involved.get("namespace") or ""
+    if event.get("eventTime") is None:
+        ok = namespace in ("", "default") if not involved_ns else namespace == involved_ns
+    else:
+        ok = bool(involved_ns) or namespace in ("default", "kube-system")
+        for name in ("reportingComponent", "reportingInstance", "action"):
+            if not event.get(name):
+                causes.append(required(name))
+    if not ok:
+        causes.append(value_invalid("involvedObject.namespace", involved_ns, "does not match event.namespace"))
+    return causes
+
+
+NODES = Kind(
+    resource="nodes", kind="Node", namespaced=False, has_status=True,
+    merge_keys={**META_MERGE_KEYS, "spec.taints": "key", "spec.podCIDRs": PRIMITIVE,
+                "status.conditions": "type", "status.addresses": "type"},
+    field_selectors=frozenset({"metadata.name", "spec.unschedulable"}),
+    validate=validate_node, singular="node", short_names=("no",))
+
+EVENTS = Kind(
+    resource="events", kind="Event", namespaced=True, has_status=False, merge_keys=dict(META_MERGE_KEYS),
+    field_selectors=frozenset({
+        "metadata.name", "metadata.namespace", "involvedObject.kind", "involvedObject.namespace",
+        "involvedObject.name", "involvedObject.uid", "involvedObject.apiVersion",
+        "involvedObject.resourceVersion", "involvedObject.fieldPath", "reason", "reportingComponent",
+        "source", "type"}),
+    validate=validate_event, create_on_update=True, singular="event", short_names=("ev",))
 
 
 def validate_pod(pod: dict) -> list[Cause]:
@@ -109,7 +225,7 @@ def validate_resource_slice(slice_: dict) -> list[Cause]:
     return causes
 
 
-def taint_rule_validator(version: str) -> Any:
+def taint_rule_validator(version: str) -> Callable[[dict], list[Cause]]:
     effects = DEVICE_TAINT_EFFECTS[version]
 
     def validate(rule: dict) -> list[Cause]:
@@ -129,8 +245,7 @@ def taint_rule_validator(version: str) -> Any:
         if not taint.get("effect"):
             causes.append(required("spec.taint.effect"))
         elif taint["effect"] not in effects:
-            causes.append(Cause("spec.taint.effect", f"Unsupported value: {json.dumps(taint['effect'])}: supported "
-                                f"values: {', '.join(json.dumps(e) for e in effects)}", "FieldValueNotSupported"))
+            causes.append(unsupported("spec.taint.effect", taint["effect"], effects))
         selector = spec.get("deviceSelector")
         if selector is not None and not isinstance(selector, dict):
             causes.append(value_invalid("spec.deviceSelector", selector, "must be an object"))

@@ -13,8 +13,7 @@ import hashlib
 import json
 from typing import AbstractSet, Any
 
-from kube_emulator.kinds import GROUP_VERSIONS
-from kube_emulator.store import Kind
+from kube_emulator.kinds import GROUP_VERSIONS, Kind
 
 _WRITE_PARAMS = ("dryRun", "fieldManager", "fieldValidation", "pretty")
 _READ_PARAMS = ("pretty",)

@@ -7,8 +7,7 @@ from dataclasses import dataclass
 from typing import AbstractSet, Mapping
 from urllib.parse import unquote
 
-from kube_emulator.kinds import GROUP_VERSIONS
-from kube_emulator.store import Kind
+from kube_emulator.kinds import GROUP_VERSIONS, Kind
 
 HEALTH_PATHS = ("healthz", "livez", "readyz")
 TOP_DOCUMENTS = HEALTH_PATHS + ("version", "api", "apis")

@@ -11,7 +11,8 @@ import calendar
 import time
 from typing import Any, Callable, Mapping
 
-from kube_emulator.store import Kind, bad_request
+from kube_emulator.errors import bad_request
+from kube_emulator.kinds import Kind
 
 Row = Callable[[dict[str, Any], float], list[Any]]
 

@@ -26,15 +26,11 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping
 
 from kube_emulator.changes import ADDED, DELETED, MODIFIED, Change, Expired
-from kube_emulator.store import (
-    ApiError,
-    Kind,
-    Store,
-    bad_request,
-    field_matcher,
-    label_matcher,
-    to_json,
-)
+from kube_emulator.errors import ApiError, bad_request
+from kube_emulator.kinds import Kind
+from kube_emulator.matchers import field_matcher, label_matcher
+from kube_emulator.store import Store
+from kube_emulator.values import to_json
 
 BOOKMARK, ERROR = "BOOKMARK", "ERROR"
 INITIAL_EVENTS_END = "k8s.io/initial-events-end"

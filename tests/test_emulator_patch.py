@@ -7,9 +7,9 @@ import copy
 
 import pytest
 
+from kube_emulator.kinds import NODES
 from kube_emulator.patch import (PRIMITIVE, PatchError, UnsupportedPatchType, apply_patch, json_equal, json_patch,
                                  merge_patch, parse_pointer, strategic_merge_patch)
-from kube_emulator.store import NODES
 
 # --- RFC 7386, appendix A ---------------------------------------------------------------------------
 

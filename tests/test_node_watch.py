@@ -158,7 +158,7 @@ def test_the_api_server_going_away_and_a_410_recover_without_raising(tmp_path, r
 
 
 def _status_patch(emulator: Emulator, allocatable: dict[str, str]):
-    from kube_emulator.store import NODES  # noqa: PLC0415 - only this helper reaches into the store
+    from kube_emulator.kinds import NODES  # noqa: PLC0415 - only this helper reaches into the store
 
     def build(current: dict) -> dict:
         node = json.loads(json.dumps(current))

@@ -15,16 +15,13 @@ API shapes used (resource.k8s.io; the same at v1alpha3, Kubernetes 1.33-1.35, an
   k8s-openapi's v1_36 resource/v1beta2 DeviceTaintRule, DeviceTaintSelector and DeviceTaint (docs.rs),
   and kubernetes-client/python's V1alpha3DeviceTaintSelector. Kubernetes 1.35 dropped
   deviceSelector.deviceClassName and .selectors, so gpu-npd sends deviceClassName only when configured.
-- ResourceSlice: spec{driver, pool{name, generation, resourceSliceCount}, nodeName, devices[{name,
-  attributes{<name>: {string|int|bool|version}}}]}; before v1beta2 the attributes sit under
-  devices[].basic. spec.nodeName and spec.driver are field selectors. Sources: the API reference
-  "ResourceSlice v1beta1" and k8s-openapi's resource/v1beta2 and resource/v1 ResourceSliceSpec.
+- ResourceSlice: where a GPU's device, pool and driver are found (slices.py).
 
-The version is discovered, never assumed: /apis/resource.k8s.io lists the versions (preferred first);
-the first whose APIResourceList has devicetaintrules is used for rules, the first with resourceslices for
-slices. When the cluster serves no DeviceTaintRule, or this node has no slice of the driver, that is said
-once in the log, and `note` (which the daemon appends to the message of each true condition naming a GPU,
-while it holds) says why the GPU is not tainted; nothing else is done.
+The version is discovered, never assumed (dra.py): the first resource.k8s.io version serving
+devicetaintrules is used for rules, the first serving resourceslices for slices. When the cluster serves
+no DeviceTaintRule, or this node has no slice of the driver, that is said once in the log, and `note`
+(which the daemon appends to the message of each true condition naming a GPU, while it holds) says why
+the GPU is not tainted; nothing else is done.
 
 Names are deterministic (`gpu-npd-<node>-<device>`, DNS-1123, shortened with a hash when long), and
 every rule carries the labels `gpu-npd.io/managed-by=gpu-npd` and `gpu-npd.io/node=<node>`: a restarted
@@ -53,11 +50,11 @@ from detector.agent.agent import AgentSink
 from detector.core.domain import key
 from detector.core.gpu_health import DEGRADED, FAILED, GpuHealth, gpu_key
 from detector.core.nodestatus import DraDevice
-from detector.core.pciaddr import normalize_bus_id
 from detector.kube.api import ApiError, KubeApi
 from detector.kube.dra import GROUP, discover
-from detector.kube.node_status import NVIDIA_DRA_DRIVER, dra_devices
+from detector.kube.node_status import NVIDIA_DRA_DRIVER
 from detector.kube.pacing import Backoff
+from detector.kube.slices import NodeDevices, list_node_devices
 
 log = logging.getLogger("gpu_npd.dra")
 
@@ -143,7 +140,7 @@ class DeviceTaintSink(AgentSink):
         self.on_note: Callable[[str], None] | None = None   # told each change of the note (the conditions)
         self.rule_version: str | None = None
         self.slice_version: str | None = None
-        self._devices: dict[str, DraDevice] | None = None     # "uuid:..."/"bus:..." -> device; None: not listed
+        self._devices: NodeDevices | None = None              # None: not listed yet
         self._listed_at = -1e18
         self._rules: dict[str, dict[str, Any]] | None = None  # our rules on the server, by name
         self._said: set[str] = set()
@@ -306,38 +303,15 @@ class DeviceTaintSink(AgentSink):
 
     def _list_slices(self, now: float) -> None:
         self._listed_at = now
-        devices: dict[str, DraDevice] = {}
-        if self.slice_version is not None:
-            selector = f"spec.nodeName={self.node},spec.driver={self.settings.driver}"
-            try:
-                slices = self.api.list_resource_slices(self.slice_version, selector)
-            except ApiError as e:
-                if e.status != 400:                 # a version without these field selectors: filter here
-                    raise
-                slices = self.api.list_resource_slices(self.slice_version)
-            for device in dra_devices(slices, self.node, self.settings.driver):
-                if device.uuid:
-                    devices[f"uuid:{device.uuid}"] = device
-                if device.pci_bus_id:
-                    devices[f"bus:{device.pci_bus_id}"] = device
-        self._devices = devices
-        if devices:
+        self._devices = list_node_devices(self.api, self.slice_version, self.node, self.settings.driver)
+        if self._devices:
             self._said.discard("no-slice")
         else:
             self._say_once("no-slice", f"DRA device taints: node {self.node} has no ResourceSlice of driver "
                            f"{self.settings.driver} (is the NVIDIA DRA driver running here?): no GPU is tainted")
 
     def _device(self, w: _Want) -> DraDevice | None:
-        if not self._devices:
-            return None
-        if w.uuid and (d := self._devices.get(f"uuid:{w.uuid}")):
-            return d
-        if w.bus_id:
-            try:
-                return self._devices.get(f"bus:{normalize_bus_id(w.bus_id)}")
-            except ValueError:
-                return None
-        return None
+        return self._devices.find(w.uuid, w.bus_id) if self._devices else None
 
     def _body(self, w: _Want, device: DraDevice) -> dict[str, Any]:
         selector: dict[str, str] = {"driver": self.settings.driver, "pool": device.pool, "device": device.name}

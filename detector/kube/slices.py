@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from detector.core.nodestatus import DraDevice
-from detector.core.pciaddr import normalize_bus_id
+from detector.backends.pciaddr import normalize_bus_id
 from detector.kube.api import ApiError, KubeApi
 from detector.kube.node_status import dra_devices
 

@@ -15,18 +15,17 @@ GPU NVML enumerates, with its UUID and bus id, in one ResourceSlice (resource.k8
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from fake_nvml.faults import Fault
-    from fake_nvml.node import FakeGpu, FakeNode, NodeState
+from fake_nvml.fault_kind import FaultArgs, FaultKind
+from fake_nvml.node import FakeGpu, FakeNode, NodeState
 
 GPU_RESOURCE = "nvidia.com/gpu"
 DRA_DRIVER = "gpu.nvidia.com"
 APPLICATION_XIDS = frozenset({13, 31, 43, 45, 68})      # health.go: "the GPU should still be healthy"
 
 
-def advertised(state: "NodeState") -> dict[str, dict[str, str]]:
+def advertised(state: NodeState) -> dict[str, dict[str, str]]:
     """{"capacity": {...}, "allocatable": {...}}: the device plugin's part of the node's status."""
     if state.device_plugin == "down":
         return _both(0, 0)
@@ -39,7 +38,7 @@ def advertised(state: "NodeState") -> dict[str, dict[str, str]]:
     return _both(len(enumerated), len(healthy))
 
 
-def resource_slices(state: "NodeState", node_name: str) -> list[dict[str, Any]]:
+def resource_slices(state: NodeState, node_name: str) -> list[dict[str, Any]]:
     """The DRA driver's ResourceSlices for this node ([] when no DRA driver runs on it, or it is down)."""
     if not state.dra_driver or state.device_plugin == "down" or not state.driver_loaded:
         return []
@@ -53,7 +52,7 @@ def resource_slices(state: "NodeState", node_name: str) -> list[dict[str, Any]]:
                       "pool": {"name": node_name, "generation": 1, "resourceSliceCount": 1}, "devices": devices}}]
 
 
-def on_xid(state: "NodeState", gpu: "FakeGpu", code: int) -> None:
+def on_xid(state: NodeState, gpu: FakeGpu, code: int) -> None:
     """A critical XID delivered through NVML's events: the plugin marks the GPU unhealthy."""
     if code not in APPLICATION_XIDS and gpu.uuid not in state.device_plugin_unhealthy:
         state.device_plugin_unhealthy.append(gpu.uuid)
@@ -61,7 +60,7 @@ def on_xid(state: "NodeState", gpu: "FakeGpu", code: int) -> None:
 
 # -- faults ------------------------------------------------------------------------------------------------
 
-def stale(f: "Fault", state: "NodeState", gpu: "FakeGpu | None", node: "FakeNode") -> None:
+def stale(f: FaultArgs, state: NodeState, gpu: FakeGpu | None, node: FakeNode) -> None:
     """It stops noticing: the counts it advertises now stay, whatever happens to the GPUs."""
     now = advertised(state)
     state.device_plugin_capacity = int(now["capacity"][GPU_RESOURCE])
@@ -69,16 +68,16 @@ def stale(f: "Fault", state: "NodeState", gpu: "FakeGpu | None", node: "FakeNode
     state.device_plugin = "stale"
 
 
-def count(f: "Fault", state: "NodeState", gpu: "FakeGpu | None", node: "FakeNode") -> None:
+def count(f: FaultArgs, state: NodeState, gpu: FakeGpu | None, node: FakeNode) -> None:
     state.device_plugin = "count"
     state.device_plugin_capacity = state.device_plugin_allocatable = f.params["count"]
 
 
-def down(f: "Fault", state: "NodeState", gpu: "FakeGpu | None", node: "FakeNode") -> None:
+def down(f: FaultArgs, state: NodeState, gpu: FakeGpu | None, node: FakeNode) -> None:
     state.device_plugin = "down"
 
 
-def heal(state: "NodeState", gpus: "list[FakeGpu]", whole_node: bool) -> None:
+def heal(state: NodeState, gpus: list[FakeGpu], whole_node: bool) -> None:
     """A node repair or reboot restarts the plugin (it enumerates afresh); a GPU reset gives it that GPU back."""
     uuids = {g.uuid for g in gpus}
     state.device_plugin_unhealthy = [u for u in state.device_plugin_unhealthy if u not in uuids]
@@ -88,3 +87,14 @@ def heal(state: "NodeState", gpus: "list[FakeGpu]", whole_node: bool) -> None:
 
 def _both(capacity: int, allocatable: int) -> dict[str, dict[str, str]]:
     return {"capacity": {GPU_RESOURCE: str(capacity)}, "allocatable": {GPU_RESOURCE: str(allocatable)}}
+
+
+FAULTS: tuple[FaultKind, ...] = (
+    FaultKind("device_plugin_stale", False, {}, (), stale,
+              "the NVIDIA device plugin keeps advertising the nvidia.com/gpu counts it has now, whatever "
+              "happens to the GPUs (until recover without a gpu, or reboot, restarts it)"),
+    FaultKind("device_plugin_count", False, {"count": int}, ("count",), count,
+              "the device plugin advertises this many nvidia.com/gpu (capacity and allocatable)"),
+    FaultKind("device_plugin_down", False, {}, (), down,
+              "the device plugin is gone: nvidia.com/gpu 0 (as kubelet shows it), no DRA devices"),
+)

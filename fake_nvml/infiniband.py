@@ -1,69 +1,26 @@
-"""The fake node's InfiniBand/RoCE ports, for the infiniband check: their state, a reader over it (what
-`detector.backends.infiniband` reads from sysfs, computed) and a writer that lays the same ports out as a
-sysfs tree, so the real reader can be tested on the fake's files.
-
-Error counters move with the node's time: a fault sets a rate per minute from now on, and a counter
-clamps at its width's maximum as the real PMA counters do."""
+"""The fake node's InfiniBand/RoCE ports, for the infiniband check: a reader over their state (each port's
+is a FakeIbPort, fake_nvml/ib_port.py; what `detector.backends.infiniband` reads from sysfs, computed), a
+writer that lays the same ports out as a sysfs tree, so the real reader can be tested on the fake's files,
+the port faults and how `recover`/`reboot` heal them."""
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from detector.backends.infiniband import (COUNTER_BITS, NO_PMA, PHYS_STATE_NAMES, STATE_NAMES, IbPort,
                                           IbSnapshot, counter_max)
-
-if TYPE_CHECKING:
-    from fake_nvml.faults import Fault
-    from fake_nvml.node import FakeGpu, FakeNode, NodeState
+from fake_nvml.fault_kind import FaultArgs, FaultKind
+from fake_nvml.ib_port import CONNECTX7_BOARD, FakeIbPort, fake_ports
+from fake_nvml.node import FakeGpu, FakeNode, NodeState
 
 # Per-lane signalling rate (Gb/s) by the kernel's speed names (drivers/infiniband/core/sysfs.c rate_show).
 LANE_GBPS = {"SDR": 2.5, "DDR": 5.0, "QDR": 10.0, "FDR": 14.0, "EDR": 25.0, "HDR": 50.0, "NDR": 100.0,
              "XDR": 200.0}
-CONNECTX7_BOARD = "MT_0000000838"    # the PSID an HGX H100 node's ConnectX-7 rails report (SOURCE.md)
 PHYS_BY_NAME = {name: code for code, name in PHYS_STATE_NAMES.items()}
 STATE_BY_NAME = {name: code for code, name in STATE_NAMES.items()}
-
-
-@dataclass
-class FakeIbPort:
-    """One HCA port. `rate_gbps`/`width`: what it trains at when healthy; `trained_gbps`: a degraded rate."""
-
-    device: str
-    port: int = 1
-    link_layer: str = "InfiniBand"
-    rate_gbps: float = 400.0
-    width: int = 4
-    board_id: str = CONNECTX7_BOARD
-    state: int = 4                   # ACTIVE
-    phys_state: int = 5              # LinkUp
-    trained_gbps: float | None = None
-    present: bool = True             # False: gone from sysfs (the HCA fell off the bus, its driver unloaded)
-    counters: dict[str, int] = field(default_factory=dict)       # values at `rising_since_s`
-    rising: dict[str, float] = field(default_factory=dict)       # counter -> increase per minute
-    rising_since_s: float = 0.0
-
-    @property
-    def name(self) -> str:
-        return f"{self.device}/{self.port}"
-
-    def counter(self, name: str, elapsed_s: float) -> int:
-        """The counter now: its base plus what its rate added since, clamped at the maximum."""
-        grown = self.rising.get(name, 0.0) * max(elapsed_s - self.rising_since_s, 0.0) / 60
-        return min(int(self.counters.get(name, 0) + grown), counter_max(name))
-
-    def settle(self, elapsed_s: float) -> None:
-        """Fold what the counters grew to into their base, before their rates change."""
-        self.counters = {name: self.counter(name, elapsed_s) for name in COUNTER_BITS}
-        self.rising_since_s = elapsed_s
-
-
-def fake_ports(count: int, rate_gbps: float = 400.0, link_layer: str = "InfiniBand", width: int = 4,
-               board_id: str = CONNECTX7_BOARD) -> list[FakeIbPort]:
-    """`count` single-port HCAs mlx5_0 ... as an HGX node has one per GPU."""
-    return [FakeIbPort(f"mlx5_{i}", 1, link_layer, float(rate_gbps), width, board_id) for i in range(count)]
 
 
 def rate_text(gbps: float, width: int) -> str:
@@ -89,7 +46,7 @@ def ib_port(p: FakeIbPort, elapsed_s: float) -> IbPort:
     )
 
 
-def ib_snapshot(state: "NodeState", elapsed_s: float) -> IbSnapshot:
+def ib_snapshot(state: NodeState, elapsed_s: float) -> IbSnapshot:
     ports = [ib_port(p, elapsed_s) for p in state.ib_ports if p.present]
     return IbSnapshot(bool(ports) or any(not p.present for p in state.ib_ports), ports, elapsed_s)
 
@@ -97,19 +54,19 @@ def ib_snapshot(state: "NodeState", elapsed_s: float) -> IbSnapshot:
 class FakeInfiniband:
     """A ports reader over the fake node's live state; its clock is the node's."""
 
-    def __init__(self, node: "FakeNode"):
+    def __init__(self, node: FakeNode):
         self.node = node
 
     def read(self) -> IbSnapshot:
         return self.node.read(lambda state: ib_snapshot(state, self.node.elapsed_s()))
 
 
-def fake_infiniband(node: "FakeNode") -> FakeInfiniband:
+def fake_infiniband(node: FakeNode) -> FakeInfiniband:
     """A ports reader over the fake node."""
     return FakeInfiniband(node)
 
 
-def write_sysfs(state: "NodeState", root: Path, elapsed_s: float = 0.0) -> None:
+def write_sysfs(state: NodeState, root: Path, elapsed_s: float = 0.0) -> None:
     """Lay the ports out as Linux does: `<root>/devices/pci0000:00/<bdf>/infiniband/<dev>` with
     `<root>/class/infiniband/<dev>` a symlink to it. Counters are their values at `elapsed_s`."""
     snapshot = ib_snapshot(state, elapsed_s)
@@ -137,9 +94,9 @@ def write_sysfs(state: "NodeState", root: Path, elapsed_s: float = 0.0) -> None:
         link.symlink_to(os.path.relpath(real, class_dir))
 
 
-# -- faults (registered in fake_nvml/faults.py under the InfiniBand anchor) ------------------------------
+# -- faults (declared in FAULTS below) -----------------------------------------------------------------
 
-def _ports(f: "Fault", state: "NodeState") -> list[FakeIbPort]:
+def _ports(f: FaultArgs, state: NodeState) -> list[FakeIbPort]:
     device, port = f.params["device"], f.params.get("port")
     found = [p for p in state.ib_ports if p.device == device and (port is None or p.port == port)]
     if not found:
@@ -148,14 +105,14 @@ def _ports(f: "Fault", state: "NodeState") -> list[FakeIbPort]:
     return found
 
 
-def port_state(f: "Fault", state: "NodeState", gpu: "FakeGpu | None", node: "FakeNode") -> None:
+def port_state(f: FaultArgs, state: NodeState, gpu: FakeGpu | None, node: FakeNode) -> None:
     """`ib_port_state`: the port goes to this state and physical state (names as sysfs shows them)."""
     for p in _ports(f, state):
         p.state = _code(f, "state", STATE_BY_NAME, p.state)
         p.phys_state = _code(f, "phys_state", PHYS_BY_NAME, p.phys_state)
 
 
-def port_down(f: "Fault", state: "NodeState", gpu: "FakeGpu | None", node: "FakeNode") -> None:
+def port_down(f: FaultArgs, state: NodeState, gpu: FakeGpu | None, node: FakeNode) -> None:
     """`ib_port_down`: DOWN; Polling (the link partner is gone: a cable, transceiver or switch port, which
     counts a link_downed) or Disabled (turned off by software, which does not)."""
     phys = _code(f, "phys_state", PHYS_BY_NAME, 2)
@@ -166,13 +123,13 @@ def port_down(f: "Fault", state: "NodeState", gpu: "FakeGpu | None", node: "Fake
         p.state, p.phys_state = 1, phys
 
 
-def port_rate(f: "Fault", state: "NodeState", gpu: "FakeGpu | None", node: "FakeNode") -> None:
+def port_rate(f: FaultArgs, state: NodeState, gpu: FakeGpu | None, node: FakeNode) -> None:
     """`ib_rate`: the port retrains at this rate (Gb/s)."""
     for p in _ports(f, state):
         p.trained_gbps = float(f.params["rate_gbps"])
 
 
-def port_errors(f: "Fault", state: "NodeState", gpu: "FakeGpu | None", node: "FakeNode") -> None:
+def port_errors(f: FaultArgs, state: NodeState, gpu: FakeGpu | None, node: FakeNode) -> None:
     """`ib_errors`: an error counter jumps by `add` and/or rises by `per_min` from now on."""
     name = f.params["counter"]
     if name not in COUNTER_BITS:
@@ -184,13 +141,13 @@ def port_errors(f: "Fault", state: "NodeState", gpu: "FakeGpu | None", node: "Fa
             p.rising[name] = float(f.params["per_min"])
 
 
-def port_missing(f: "Fault", state: "NodeState", gpu: "FakeGpu | None", node: "FakeNode") -> None:
+def port_missing(f: FaultArgs, state: NodeState, gpu: FakeGpu | None, node: FakeNode) -> None:
     """`ib_missing`: the HCA's ports vanish from sysfs."""
     for p in _ports(f, state):
         p.present = False
 
 
-def _code(f: "Fault", key: str, names: dict[str, int], default: int) -> int:
+def _code(f: FaultArgs, key: str, names: dict[str, int], default: int) -> int:
     value = f.params.get(key)
     if value is None:
         return default
@@ -199,8 +156,8 @@ def _code(f: "Fault", key: str, names: dict[str, int], default: int) -> int:
     return names[value]
 
 
-def heal(state: "NodeState", gpus: "list[FakeGpu]", whole_node: bool) -> None:
-    """(A RECOVERY_HOOKS entry, through fake_nvml/faults.py.) A node repair or reboot: every port back, trained at full rate, its counters cleared (an HCA reset
+def heal(state: NodeState, gpus: list[FakeGpu], whole_node: bool) -> None:
+    """A node repair or reboot: every port back, trained at full rate, its counters cleared (an HCA reset
     clears them; after a repair, perfquery -R does) and no longer rising. A GPU reset leaves ports alone."""
     if not whole_node:
         return
@@ -209,10 +166,21 @@ def heal(state: "NodeState", gpus: "list[FakeGpu]", whole_node: bool) -> None:
         p.counters, p.rising = {}, {}
 
 
-
-def ports_from_dicts(items: list[dict[str, Any]]) -> list[FakeIbPort]:
-    """NodeState.from_dict's loader for `ib_ports`."""
-    return [FakeIbPort(**item) for item in items]
+FAULTS: tuple[FaultKind, ...] = (
+    FaultKind("ib_port_down", False, {"device": str, "port": int, "phys_state": str}, ("device",),
+              port_down, "an InfiniBand/RoCE port goes DOWN (phys_state Polling: link lost, the default; "
+              "Disabled: turned off by software)"),
+    FaultKind("ib_port_state", False, {"device": str, "port": int, "state": str, "phys_state": str},
+              ("device", "state"), port_state,
+              "a port's state (DOWN, INIT, ARMED, ACTIVE) and physical state (Polling, Disabled, LinkUp ...)"),
+    FaultKind("ib_rate", False, {"device": str, "port": int, "rate_gbps": float}, ("device", "rate_gbps"),
+              port_rate, "a port retrains at this rate in Gb/s (lanes or speed lost)"),
+    FaultKind("ib_errors", False, {"device": str, "port": int, "counter": str, "per_min": float, "add": int},
+              ("device", "counter"), port_errors,
+              "a port error counter (symbol_error, link_downed ...) jumps by add and/or rises per_min from now"),
+    FaultKind("ib_missing", False, {"device": str}, ("device",), port_missing,
+              "an HCA's ports vanish from /sys/class/infiniband (fell off the bus, driver gone)"),
+)
 
 
 # -- scenario files: the top-level `infiniband:` field --------------------------------------------------

@@ -8,10 +8,9 @@ import threading
 import time
 import uuid
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
-from fake_nvml.faults import Fault
-from fake_nvml.infiniband import FakeIbPort, ports_from_dicts
+from fake_nvml.ib_port import FakeIbPort, ports_from_dicts
 from fake_nvml.models import GpuModel, model_by_key
 
 Clock = Callable[[], float]
@@ -145,7 +144,7 @@ class NodeState:
     # -- node-level state of the fabric check (fabric manager) --
     fabric_manager_running: bool = True     # nv-fabricmanager's daemon (needed on NVSwitch systems)
     # -- node-level state of the infiniband check (HCA ports) --
-    ib_ports: list[FakeIbPort] = field(default_factory=list)   # InfiniBand/RoCE ports (fake_nvml/infiniband.py)
+    ib_ports: list[FakeIbPort] = field(default_factory=list)   # InfiniBand/RoCE ports (fake_nvml/ib_port.py)
     # -- the device plugin and DRA driver (the allocatable check; fake_nvml/device_plugin.py) --
     device_plugin: str = ""                  # "": follows the GPUs; stale, count (lies) or down
     device_plugin_capacity: int = 0          # what a stale or count plugin advertises
@@ -184,10 +183,20 @@ _NODE_FIELD_LOADERS: dict[str, Callable[[Any], Any]] = {
 }
 
 
+class NodeFault(Protocol):
+    """What a node applies, from its timeline or `inject`: a Fault (fake_nvml/faults.py). The node knows no
+    more of it than this, so the fault catalogue, built over the modules that read the node, sits above it."""
+
+    @property
+    def gpu(self) -> int | None: ...
+
+    def apply(self, state: NodeState, gpu: FakeGpu | None, node: FakeNode) -> None: ...
+
+
 @dataclass(frozen=True)
 class TimedFault:
     at_s: float
-    fault: Fault
+    fault: NodeFault
 
 
 class FakeNode:
@@ -209,7 +218,7 @@ class FakeNode:
         self._kernel: list[KernelRecord] = []
         self._xids: list[XidEvent] = []
         self._on_change = on_change
-        self.injected: list[tuple[float, Fault]] = []
+        self.injected: list[tuple[float, NodeFault]] = []
         self._log_driver_load()
         self._apply_due()
 
@@ -301,7 +310,7 @@ class FakeNode:
 
     # -- changing --------------------------------------------------------------------------------
 
-    def inject(self, fault: Fault) -> None:
+    def inject(self, fault: NodeFault) -> None:
         """Apply a fault now. Every source (NVML, nvidia-smi, PCI, kernel log) sees it at once."""
         with self._lock:
             self._apply(fault)
@@ -319,7 +328,7 @@ class FakeNode:
         if changed and self._on_change:
             self._on_change(self)
 
-    def _apply(self, fault: Fault) -> None:
+    def _apply(self, fault: NodeFault) -> None:
         self.injected.append((self._clock(), fault))
         gpu = self._gpu(fault.gpu) if fault.gpu is not None else None
         fault.apply(self._state, gpu, self)
@@ -348,16 +357,6 @@ class FakeNode:
             self._first_boot = False
             self._log_driver_load()
             self._kernel_logged.notify_all()
-
-    def advertised_resources(self) -> dict[str, dict[str, str]]:
-        """What its device plugin tells the scheduler: {"capacity": {...}, "allocatable": {...}}."""
-        from fake_nvml.device_plugin import advertised
-        return self.read(advertised)
-
-    def resource_slices(self, node_name: str | None = None) -> list[dict[str, Any]]:
-        """The ResourceSlices its DRA driver publishes ([] without one)."""
-        from fake_nvml.device_plugin import resource_slices
-        return self.read(lambda state: resource_slices(state, node_name or state.name))
 
     def emit_xid(self, gpu: FakeGpu, code: int) -> None:
         """Deliver an XID to NVML's event API (called by faults, under the lock)."""

@@ -1,7 +1,8 @@
 """Fake NVML calls of the memory check: ECC mode and counters, retired pages (pre-Ampere), row remapping
 (Ampere and later). Which GPUs answer what follows the NVML API reference: ECC queries are NotSupported
 without ECC (GeForce), nvmlDeviceGetRemappedRows is "for Ampere or newer", page retirement is the
-pre-Ampere mechanism (row remapping replaced it), so each raises NotSupported where the model lacks it."""
+pre-Ampere mechanism (row remapping replaced it), so each raises NotSupported where the model lacks it.
+Also the memory faults, and what a GPU reset or reboot does to the memory state."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ from typing import Any
 
 import pynvml
 
-from fake_nvml.node import FakeGpu
+from fake_nvml.fault_kind import FaultArgs, FaultKind, set_field
+from fake_nvml.node import FakeGpu, FakeNode, NodeState
 
 _DEVICE_MEMORY = pynvml.NVML_MEMORY_LOCATION_DEVICE_MEMORY
 _SRAM = pynvml.NVML_MEMORY_LOCATION_SRAM
@@ -85,3 +87,52 @@ class MemoryCalls:
         if not gpu.model.row_remapping:
             raise _error(pynvml.NVML_ERROR_NOT_SUPPORTED)
         return (gpu.remapped_corrected, gpu.remapped_uncorrected, int(gpu.remap_pending), int(gpu.remap_failure))
+
+
+# -- faults (node time from node.elapsed_s()) ---------------------------------------------------------
+
+
+def ecc_rising(f: FaultArgs, state: NodeState, gpu: FakeGpu | None, node: FakeNode) -> None:
+    assert gpu is not None
+    now = node.elapsed_s()
+    gpu.ecc_uncorrected = volatile_uncorrected(gpu, now)         # what has arrived so far stays counted
+    gpu.ecc_uncorrected_per_min, gpu.ecc_rising_since_s = f.params["per_min"], now
+
+
+def remap_pending(f: FaultArgs, state: NodeState, gpu: FakeGpu | None, node: FakeNode) -> None:
+    assert gpu is not None
+    gpu.remapped_uncorrected += 1
+    gpu.remap_pending = True
+
+
+def retired_pages(f: FaultArgs, state: NodeState, gpu: FakeGpu | None, node: FakeNode) -> None:
+    assert gpu is not None
+    gpu.retired_sbe += f.params.get("sbe", 0)
+    gpu.retired_dbe += f.params.get("dbe", 0)
+    gpu.retire_pending = f.params.get("pending", gpu.retire_pending)
+
+
+def heal(state: NodeState, gpus: list[FakeGpu], whole_node: bool) -> None:
+    """A GPU reset or reboot: volatile ECC counts move into the aggregate ones and start again at 0, a
+    rising fault stops, pending remaps and page retirements take effect. A remap failure, retired pages
+    and aggregate counts stay: they live in the InfoROM."""
+    for g in gpus:
+        g.ecc_aggregate_corrected += g.ecc_corrected
+        g.ecc_aggregate_uncorrected += volatile_uncorrected(g, g.ecc_rising_since_s)
+        g.ecc_corrected = g.ecc_uncorrected = 0
+        g.ecc_uncorrected_per_min = 0.0
+        g.remap_pending = g.retire_pending = False
+
+
+FAULTS: tuple[FaultKind, ...] = (
+    FaultKind("ecc_rising", True, {"per_min": float}, ("per_min",), ecc_rising,
+              "volatile uncorrectable ECC errors keep arriving at this rate (per minute) until a reset"),
+    FaultKind("remap_pending", True, {}, (), remap_pending,
+              "a row is remapped for an uncorrectable error and waits for a GPU reset to take effect"),
+    FaultKind("remap_failure", True, {}, (), set_field("remap_failure", None, True),
+              "a row remapping failed (no spare rows left in the bank): persists across resets"),
+    FaultKind("retired_pages", True, {"sbe": int, "dbe": int, "pending": bool}, (), retired_pages,
+              "pages retired on a pre-Ampere GPU (adds sbe/dbe; pending: one waits for a driver reload)"),
+    FaultKind("ecc_disabled", True, {}, (), set_field("ecc_enabled", None, False),
+              "ECC turned off on an ECC-capable GPU (its counters are then unavailable)"),
+)

@@ -17,15 +17,13 @@ from __future__ import annotations
 
 import ctypes
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pynvml
 
 from detector.backends.nvmlcompat import constant as nvml_constant
-from fake_nvml.node import FakeGpu
-
-if TYPE_CHECKING:
-    from fake_nvml.node import NodeState
+from fake_nvml.fault_kind import FaultArgs, FaultKind
+from fake_nvml.node import FakeGpu, FakeNode, NodeState
 
 COUNTERS = ("replay", "recovery", "crc_flit", "crc_data")        # FakeGpu.nvlink_errors / nvlink_rising names
 _LEGACY = {pynvml.NVML_NVLINK_ERROR_DL_REPLAY: "replay", pynvml.NVML_NVLINK_ERROR_DL_RECOVERY: "recovery",
@@ -76,7 +74,7 @@ def error_count(gpu: FakeGpu, link: int, counter: str, now_s: float) -> int:
     return int(total)
 
 
-def fabric_of(gpu: FakeGpu, state: "NodeState") -> tuple[int, int]:
+def fabric_of(gpu: FakeGpu, state: NodeState) -> tuple[int, int]:
     """(state, status) of the GPU's fabric registration: completed on a node with NVSwitches unless a fault
     says otherwise; a fabric-capable GPU without NVSwitches has no fabric to join (NOT_SUPPORTED)."""
     if gpu.fabric_state is not None:
@@ -86,7 +84,7 @@ def fabric_of(gpu: FakeGpu, state: "NodeState") -> tuple[int, int]:
     return pynvml.NVML_GPU_FABRIC_STATE_COMPLETED, pynvml.NVML_SUCCESS
 
 
-def heal(state: "NodeState", gpus: list[FakeGpu], whole_node: bool) -> None:
+def heal(state: NodeState, gpus: list[FakeGpu], whole_node: bool) -> None:
     """A GPU reset or reboot: NVLink error counters start again at 0 (they count since the driver loaded
     the GPU), faults driving them stop, and the GPU registers with the fabric afresh. Repairing the whole
     node starts the fabric manager again."""
@@ -185,10 +183,10 @@ def _pointee(pointer: Any) -> Any:
     return obj
 
 
-# -- faults (fake_nvml/faults.py dispatches here; node time from node.elapsed_s()) ---------------------
+# -- faults (declared in FAULTS below; node time from node.elapsed_s()) --------------------------------
 
 
-def nvlink_errors(f: Any, state: "NodeState", gpu: FakeGpu | None, node: Any) -> None:
+def nvlink_errors(f: FaultArgs, state: NodeState, gpu: FakeGpu | None, node: FakeNode) -> None:
     """An error counter of one link jumps by `add` and/or rises `per_min` from now on."""
     assert gpu is not None
     link, counter = f.params["link"], f.params["counter"]
@@ -201,7 +199,7 @@ def nvlink_errors(f: Any, state: "NodeState", gpu: FakeGpu | None, node: Any) ->
                                   "since_s": node.elapsed_s()})
 
 
-def nvlink_flap(f: Any, state: "NodeState", gpu: FakeGpu | None, node: Any) -> None:
+def nvlink_flap(f: FaultArgs, state: NodeState, gpu: FakeGpu | None, node: FakeNode) -> None:
     """One link goes down for `down_s` at the start of every `period_s` from now on, retraining each time."""
     assert gpu is not None
     period, down = float(f.params.get("period_s", 120.0)), float(f.params.get("down_s", 20.0))
@@ -211,7 +209,7 @@ def nvlink_flap(f: Any, state: "NodeState", gpu: FakeGpu | None, node: Any) -> N
                              "since_s": node.elapsed_s()})
 
 
-def fabric_failed(f: Any, state: "NodeState", gpu: FakeGpu | None, node: Any) -> None:
+def fabric_failed(f: FaultArgs, state: NodeState, gpu: FakeGpu | None, node: FakeNode) -> None:
     """The GPU's fabric registration completed with an error status (an nvmlReturn_t)."""
     assert gpu is not None
     gpu.fabric_state = pynvml.NVML_GPU_FABRIC_STATE_COMPLETED
@@ -222,7 +220,7 @@ _UNFINISHED = {"not_started": pynvml.NVML_GPU_FABRIC_STATE_NOT_STARTED,
                "in_progress": pynvml.NVML_GPU_FABRIC_STATE_IN_PROGRESS}
 
 
-def fabric_unfinished(f: Any, state: "NodeState", gpu: FakeGpu | None, node: Any) -> None:
+def fabric_unfinished(f: FaultArgs, state: NodeState, gpu: FakeGpu | None, node: FakeNode) -> None:
     """The fabric registration of one GPU (or, without a gpu, every GPU) stays not started / in progress."""
     name = f.params.get("state", "not_started")
     if name not in _UNFINISHED:
@@ -231,5 +229,22 @@ def fabric_unfinished(f: Any, state: "NodeState", gpu: FakeGpu | None, node: Any
         g.fabric_state, g.fabric_status = _UNFINISHED[name], pynvml.NVML_SUCCESS
 
 
-def fabric_manager_stopped(f: Any, state: "NodeState", gpu: FakeGpu | None, node: Any) -> None:
+def fabric_manager_stopped(f: FaultArgs, state: NodeState, gpu: FakeGpu | None, node: FakeNode) -> None:
     state.fabric_manager_running = False
+
+
+FAULTS: tuple[FaultKind, ...] = (
+    FaultKind("nvlink_errors", True, {"link": int, "counter": str, "add": int, "per_min": float}, ("link", "counter"),
+              nvlink_errors, "an NVLink error counter (replay, recovery, crc_flit, crc_data) jumps by add "
+              "and/or rises per_min from now until a reset"),
+    FaultKind("nvlink_flap", True, {"link": int, "period_s": float, "down_s": float}, ("link",), nvlink_flap,
+              "an NVLink goes down for down_s (default 20) at the start of every period_s (default 120), "
+              "retraining (a recovery) each time, until a reset"),
+    FaultKind("fabric_failed", True, {"status": int}, (), fabric_failed,
+              "the GPU's NVLink fabric registration completes with an error status (an nvmlReturn_t, default "
+              "999 Unknown): it loses NVLink peer-to-peer"),
+    FaultKind("fabric_not_started", False, {"state": str}, (), fabric_unfinished,
+              "the fabric registration of a GPU (every GPU without gpu) stays not_started (default) or in_progress"),
+    FaultKind("fabric_manager_stopped", False, {}, (), fabric_manager_stopped,
+              "nv-fabricmanager stops (recover without a gpu, or reboot, starts it again)"),
+)

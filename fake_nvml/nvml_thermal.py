@@ -28,14 +28,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pynvml
 
-from fake_nvml.node import FakeGpu
-
-if TYPE_CHECKING:
-    from fake_nvml.node import NodeState
+from fake_nvml.fault_kind import FaultArgs, FaultKind, set_field
+from fake_nvml.node import FakeGpu, FakeNode, NodeState
 
 _R = pynvml
 # Throttle reasons a fault can name -> the bits they set in the current-reasons mask.
@@ -205,10 +203,10 @@ class ThermalCalls:
         return values
 
 
-# -- faults (fake_nvml/faults.py dispatches here) --------------------------------------------------------
+# -- faults (declared in FAULTS below) ------------------------------------------------------------------
 
 
-def throttle(f: Any, state: "NodeState", gpu: FakeGpu | None, node: Any) -> None:
+def throttle(f: FaultArgs, state: NodeState, gpu: FakeGpu | None, node: FakeNode) -> None:
     """A throttle reason on for `duty` of every `period_s` from now on, until a reset."""
     assert gpu is not None
     reason = f.params.get("reason", "hw_slowdown")
@@ -217,20 +215,20 @@ def throttle(f: Any, state: "NodeState", gpu: FakeGpu | None, node: Any) -> None
     _add_pattern(gpu, reason, f.params, node)
 
 
-def power_brake(f: Any, state: "NodeState", gpu: FakeGpu | None, node: Any) -> None:
+def power_brake(f: FaultArgs, state: NodeState, gpu: FakeGpu | None, node: FakeNode) -> None:
     """The board's external power brake (asserted by the power supply or the BMC): a HW power brake pattern."""
     assert gpu is not None
     _add_pattern(gpu, "hw_power_brake", f.params, node)
 
 
-def _add_pattern(gpu: FakeGpu, reason: str, params: dict[str, Any], node: Any) -> None:
+def _add_pattern(gpu: FakeGpu, reason: str, params: dict[str, Any], node: FakeNode) -> None:
     duty, period = float(params.get("duty", 1.0)), float(params.get("period_s", 60.0))
     if not 0 < duty <= 1 or period <= 0:
         raise ValueError("throttle faults need 0 < duty <= 1 and period_s > 0")
     gpu.throttles.append({"reason": reason, "duty": duty, "period_s": period, "since_s": node.elapsed_s()})
 
 
-def heal(state: "NodeState", gpus: list[FakeGpu], whole_node: bool) -> None:
+def heal(state: NodeState, gpus: list[FakeGpu], whole_node: bool) -> None:
     """A GPU reset or node repair: throttle patterns stop (their counters start again from 0, as they count
     since the driver loaded), and the repaired cooling and power bring temperatures and draw back to idle."""
     for g in gpus:
@@ -239,9 +237,25 @@ def heal(state: "NodeState", gpus: list[FakeGpu], whole_node: bool) -> None:
         g.power_limit_mw = 0
 
 
-def power_draw(f: Any, state: "NodeState", gpu: FakeGpu | None, node: Any) -> None:
+def power_draw(f: FaultArgs, state: NodeState, gpu: FakeGpu | None, node: FakeNode) -> None:
     assert gpu is not None
     gpu.power_mw = int(f.params["watts"] * 1000)
     if "limit_watts" in f.params:
         gpu.power_limit_mw = int(f.params["limit_watts"] * 1000)
     gpu.utilization_pct = f.params.get("utilization", gpu.utilization_pct)
+
+
+FAULTS: tuple[FaultKind, ...] = (
+    FaultKind("throttle", True, {"reason": str, "duty": float, "period_s": float}, (), throttle,
+              "a clock event reason (hw_slowdown, hw_thermal, hw_power_brake, sw_thermal, sw_power_cap, sync_boost; "
+              "default hw_slowdown) is on for duty (default 1.0) of every period_s (default 60) from now until a "
+              "reset; the reasons mask and the violation counters follow it"),
+    FaultKind("power_brake", True, {"duty": float, "period_s": float}, (), power_brake,
+              "the power supply or BMC asserts the GPU's external power brake (HW power brake slowdown) for duty "
+              "of every period_s"),
+    FaultKind("memory_temperature", True, {"celsius": int}, ("celsius",), set_field("memory_temperature_c", "celsius"),
+              "the GPU's memory (HBM) temperature; a GPU without a memory sensor keeps answering NotSupported"),
+    FaultKind("power_draw", True, {"watts": float, "limit_watts": float, "utilization": int}, ("watts",),
+              power_draw, "the GPU draws this power (its enforced limit becomes limit_watts, its "
+              "utilization this %); a busy GPU at its limit shows the SW power cap reason, which is normal"),
+)

@@ -24,7 +24,8 @@ from detector.rules.loader import load_rules
 from detector.yamlsource import SourceError
 from fake_nvml.faults import Fault
 from fake_nvml.host import fake_host
-from fake_nvml.infiniband import FakeIbPort, fake_infiniband, write_sysfs
+from fake_nvml.ib_port import FakeIbPort
+from fake_nvml.infiniband import fake_infiniband, write_sysfs
 from fake_nvml.node import NodeState
 from fake_nvml.scenario import load_scenario
 

@@ -84,6 +84,7 @@ class Watcher:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     from detector.daemon.local import DRA_TAINTS_RBAC, REPO_DEPLOY, local_daemon, publish_gpu_slice
+    from fake_nvml import device_plugin as fake_device_plugin
     from fake_nvml.faults import Fault
     from fake_nvml.scenario import load_scenario
     from kube_emulator import Emulator
@@ -103,7 +104,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     def device_plugin() -> None:
         """The fake device plugin's counts, as kubelet writes them on the node (they follow its GPUs)."""
-        advertised = node.advertised_resources()
+        advertised = node.read(fake_device_plugin.advertised)
         emulator.set_node_resources(NODE, advertised["capacity"], advertised["allocatable"])
         w.say(f"    node status: nvidia.com/gpu capacity {advertised['capacity']['nvidia.com/gpu']}, allocatable "
               f"{advertised['allocatable']['nvidia.com/gpu']} (the device plugin; the allocatable check compares "

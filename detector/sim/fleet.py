@@ -28,6 +28,7 @@ from detector.sim.fleetfile import FleetSpec, SimNodeSpec
 from detector.sim.scheduler import Scheduler, Task
 from detector.sim.timeline import PlannedFault, plan_faults
 from detector.sim.watch import NodeWatch
+from fake_nvml import device_plugin
 from fake_nvml.faults import Fault
 from fake_nvml.host import fake_host
 from fake_nvml.node import FakeNode
@@ -275,7 +276,7 @@ class Fleet:
             self.scheduler.wake(node.checks_task)
 
     def _publish_resources(self, node: SimNode) -> None:
-        advertised = node.fake.advertised_resources()
+        advertised = node.fake.read(device_plugin.advertised)
         if advertised == node.published:
             return
         try:
@@ -318,9 +319,10 @@ class Fleet:
 
     def _create(self, spec: SimNodeSpec, fake: FakeNode) -> None:
         gpus = fake.read(lambda state: [g.model.name for g in state.gpus])
+        advertised = fake.read(device_plugin.advertised)
         try:
             self.api.create_node(kwok_node(spec, self.spec.groups[spec.group].scenario,
-                                           gpus[0].replace(" ", "-") if gpus else None, fake.advertised_resources()))
+                                           gpus[0].replace(" ", "-") if gpus else None, advertised))
         except ApiError as e:
             if e.status != 409:                # already there: adopt it as it is
                 raise
@@ -336,7 +338,7 @@ class Fleet:
         node.status_task.write = self._write_status
         node.resources_task.write = self._publish_resources
         if self.settings.create_nodes:
-            node.published = fake.advertised_resources()        # what the node was created with
+            node.published = fake.read(device_plugin.advertised)        # what the node was created with
         host.node_status = lambda: node.node_status
         return node
 

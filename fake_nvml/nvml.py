@@ -15,7 +15,7 @@ from typing import Any
 
 import pynvml
 
-from detector.core.pciaddr import normalize_bus_id, nvml_bus_id
+from detector.backends.pciaddr import normalize_bus_id, nvml_bus_id
 from fake_nvml.identity import board_of
 from fake_nvml.node import FakeGpu, FakeNode, NodeState
 from fake_nvml.nvml_driver import DriverCalls

@@ -12,7 +12,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from detector.core.pciaddr import normalize_bus_id
+from detector.backends.pciaddr import normalize_bus_id
 from detector.yamlsource import MappingReader, SourceError, load_yaml, parse_yaml
 from fake_nvml.faults import Fault
 from fake_nvml.infiniband import IbSpec, parse_ib_spec

@@ -30,7 +30,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Callable, Mapping
 
-from detector.core.pciaddr import normalize_bus_id, nvml_bus_id
+from detector.backends.pciaddr import normalize_bus_id, nvml_bus_id
 from fake_nvml.identity import board_of
 from fake_nvml.node import FakeGpu, NodeState
 from fake_nvml.statefile import SCENARIO_ENV, STATE_ENV, load_state

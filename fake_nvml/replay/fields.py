@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import re
 
-from detector.core.pciaddr import normalize_bus_id
+from detector.backends.pciaddr import normalize_bus_id
 from fake_nvml.replay.raw import RawLog, SnapshotError
 from fake_nvml.replay.snapshot import EccCounts, GpuSnapshot, Reasons, Snapshot
 from fake_nvml.replay.tree import Node

@@ -14,7 +14,7 @@ import pynvml
 
 from detector.backends.nvmlcompat import constant as nvml_constant
 
-from detector.core.pciaddr import nvml_bus_id
+from detector.backends.pciaddr import nvml_bus_id
 from fake_nvml.nvml import from_pynvml
 from fake_nvml.replay.side_files import NvlinkListing
 from fake_nvml.replay.snapshot import GpuSnapshot, Snapshot

@@ -1,4 +1,4 @@
-"""The layers the README draws point down: nothing below the command line imports it. Read with `ast`, so
+"""The layers docs/architecture.md draws point down: nothing below the command line imports it. Read with `ast`, so
 a lazy import inside a function counts as much as one at the top."""
 
 from __future__ import annotations

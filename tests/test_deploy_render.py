@@ -30,7 +30,7 @@ from detector.cli.main import build_parser
 DEPLOY = REPO / "deploy"
 NAMESPACE = "gpu-npd"
 STATE_DIR = "/var/lib/gpu-npd"
-# The oldest Kubernetes the manifests promise (the README), and the newest kubernetes-validate knows that
+# The oldest Kubernetes the manifests promise (docs/deploying.md), and the newest kubernetes-validate knows that
 # the bundled kubectl (1.35) also speaks.
 K8S_VERSIONS = ("1.30", "1.35")
 KUBECTL_CANDIDATES = (REPO / ".venv" / "tools" / "kubectl", REPO / ".venv" / "bin" / "kubectl")
@@ -771,26 +771,27 @@ def test_components_compose_in_a_kustomization_of_ones_own(kubectl, tmp_path):
             kubernetes_validate.validate(doc, K8S_VERSIONS[0], strict=True)
 
 
-# --- The README's Deploying section
+# --- The docs on deploying: docs/deploying.md and docs/remediation.md (the README's Deploying section once)
 
-def readme_deploying() -> str:
-    text = (REPO / "README.md").read_text(encoding="utf-8")
-    start = text.index("## Deploying\n")
-    return text[start:text.index("\n## ", start + 1)]
+DEPLOYING_PAGES = ("docs/deploying.md", "docs/remediation.md")
+
+
+def deploying_docs() -> str:
+    return "\n".join((REPO / page).read_text(encoding="utf-8") for page in DEPLOYING_PAGES)
 
 
 def test_readme_names_only_kustomizations_that_exist():
-    section = readme_deploying()
+    section = deploying_docs()
     named = set(re.findall(r"kubectl (?:apply -k|kustomize) (deploy/[\w./-]+)", section))
-    assert named, "the Deploying section shows no kubectl apply -k"
+    assert named, f"{DEPLOYING_PAGES} show no kubectl apply -k"
     assert named <= {f"deploy/{name_of(v)}" for v in VARIANTS}, sorted(named)
     for path in re.findall(r"`(deploy/[\w./-]+)`", section):
-        assert (REPO / path.rstrip("/")).exists(), f"README names {path}, which does not exist"
+        assert (REPO / path.rstrip("/")).exists(), f"{DEPLOYING_PAGES} name {path}, which does not exist"
 
 
 def test_readme_site_kustomization_renders(kubectl, tmp_path):
-    """The README's own kustomization, beside a copy of deploy/ as it says, renders and validates."""
-    [block] = re.findall(r"```yaml\n(apiVersion: kustomize[^`]*?kind: Kustomization\n.*?)```", readme_deploying(),
+    """docs/deploying.md's own kustomization, beside a copy of deploy/ as it says, renders and validates."""
+    [block] = re.findall(r"```yaml\n(apiVersion: kustomize[^`]*?kind: Kustomization\n.*?)```", deploying_docs(),
                          re.S)
     copy_of_deploy(tmp_path)
     site = tmp_path / "my-site"

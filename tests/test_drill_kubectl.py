@@ -1,4 +1,4 @@
-"""The README's fault drill, end to end with the real kubectl: a simulated fleet on the emulator (HTTPS,
+"""The fault drill of docs/simulation.md, end to end with the real kubectl: a simulated fleet on the emulator (HTTPS,
 the simulator's own RBAC), a node broken with `kubectl annotate`, the condition seen with `kubectl get -o
 custom-columns` and `kubectl describe node` (with its events), the annotation removed, the condition
 cleared. kubectl comes from `make kubectl` (which `make test` runs)."""

@@ -1,6 +1,6 @@
-"""The layers point down (cli -> daemon/sim -> kube/agent -> checks/rules -> core -> backends) and the
-packages of detector/ form no import circle. Read with `ast`, so a lazy import inside a function counts as
-much as one at the top, and a relative import as much as an absolute one."""
+"""The layers docs/architecture.md draws point down (cli -> daemon/sim -> kube/agent -> checks/rules -> core ->
+backends) and the packages of detector/ form no import circle. Read with `ast`, so a lazy import inside a
+function counts as much as one at the top, and a relative import as much as an absolute one."""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
-"""README truth: every shell command in README.md runs as written on a fresh clone, or is excluded here with
-a reason; the README's table of check settings is the code's; the emulator's packaged RBAC is deploy/'s.
+"""Documentation truth: every shell command in README.md and in each docs/*.md page runs as written on a fresh
+clone, or is excluded here with a reason; the check-settings table (docs/checks.md) and the table of what each
+condition asks of whom (docs/remediation.md) are the code's; the emulator's packaged RBAC is deploy/'s.
 
-How the README is read:
+How the pages (README.md, then docs/*.md) are read, each the same way:
 
 - Commands come from fenced ```sh, ```bash, ```shell and ```console blocks. In a block where some line
   starts with a `$ ` prompt, only those lines are commands (the rest is their output); otherwise every
@@ -12,13 +13,14 @@ How the README is read:
   stubbed (STUBS) and that no exclusion names fails the test, so a new command cannot be skipped silently.
 - Every command of a block runs in order in one throw-away copy of the repository (tracked and untracked
   files, `.venv` linked), with a temporary HOME and TMPDIR, the project's venv first on PATH, no proxy and
-  no KUBECONFIG, each with a timeout. It must exit 0 unless RUN says otherwise, citing the README.
+  no KUBECONFIG, each with a timeout. It must exit 0 unless RUN says otherwise, citing the page.
   Long-running commands run in the background until their ready line, serve the block's later commands,
   and are stopped with SIGTERM at the end of the block (exit code checked too).
-- Files a reader brings (FILES: the fleet file and the rule file shown in the README, saved kernel logs)
-  are made in the copy, the first two from the README's own YAML blocks, so those are checked as well.
+- Files a reader brings (FILES: the fleet file and the rule file shown in the docs, saved kernel logs)
+  are made in the copy, the first two from the YAML blocks of whichever page shows them (docs/simulation.md,
+  docs/rules.md), so those are checked as well.
 
-`.venv/bin/python tests/test_readme.py` rewrites the README's check-settings table from the code.
+`.venv/bin/python tests/test_readme.py` rewrites docs/checks.md's check-settings table from the code.
 """
 
 from __future__ import annotations
@@ -41,6 +43,10 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 REPLAYED = REPO / "tests" / "fixtures" / "real_machines" / "h100-vm-580"
 README = REPO / "README.md"
+DOCS = REPO / "docs"
+PAGES = [README, *sorted(DOCS.glob("*.md"))]      # every page whose commands are run, README first
+SETTINGS_PAGE = DOCS / "checks.md"                 # holds the generated check-settings table
+REMEDIATION_PAGE = DOCS / "remediation.md"         # holds the table of what each condition asks of whom
 SHELL_LANGS = {"sh", "bash", "shell", "console"}
 
 # --- What is not run, and why (first match wins; patterns are searched in the command) ----------------
@@ -99,11 +105,11 @@ except OSError as e:
 
 @dataclass(frozen=True)
 class Spec:
-    """How one README command is run and judged. Placeholders in `subst` and `append`: {work} (the copy),
+    """How one documented command is run and judged. Placeholders in `subst` and `append`: {work} (the copy),
     {emulator_port}, {sim_port} (free loopback ports)."""
 
     exit: int = 0
-    why: str = ""                                   # the README's word for a non-zero exit, or for subst/append
+    why: str = ""                                   # the page's word for a non-zero exit, or for subst/append
     subst: tuple[tuple[str, str], ...] = ()         # (as written, as run)
     append: str = ""                                # arguments added at the end
     background: str = ""                            # a regex: its ready line; stopped with SIGTERM at block end
@@ -116,10 +122,11 @@ KERN_LOG = ("/var/log/kern.log", "{work}/var/log/kern.log")
 FREE_EMULATOR_PORT = ("127.0.0.1:8080", "127.0.0.1:{emulator_port}")
 FREE_SIM_PORT = ("localhost:9809", "localhost:{sim_port}")
 EMULATOR_URL = r"^http://127\.0\.0\.1:\d+$"        # the emulator's first line on stdout: it is serving
+EMULATOR_HTTPS_URL = r"^https://127\.0\.0\.1:\d+$"  # ... with --https
 SCALED = "scaled down (the same code path; seconds instead of minutes)"
 
-# Every README command that is run with anything but the defaults (exit 0, as written, 30 s). Keyed by
-# the command as the README writes it (comment removed); an entry the README no longer has is an error.
+# Every documented command that is run with anything but the defaults (exit 0, as written, 30 s). Keyed by
+# the command as the pages write it (comment removed); an entry no page has any more is an error.
 RUN: dict[str, Spec] = {
     "gpu-npd diagnose --nvml fake:h100-sxm-8-xid79": Spec(
         exit=1, why="'a fake node whose GPU 3 fell off the bus'; exit code 1: a problem was found",
@@ -140,7 +147,7 @@ RUN: dict[str, Spec] = {
     "journalctl -k -b -1 | gpu-npd diagnose --kernel-log -": Spec(
         exit=1, expect=r"GpuFellOffBus", why="the journalctl stand-in prints an XID 79: a problem, exit 1"),
     "gpu-npd validate-rules +my-rules.yaml": Spec(
-        expect=r"^OK: ", why="my-rules.yaml is the README's example rule file (Rules)"),
+        expect=r"^OK: ", why="my-rules.yaml is the example rule file of docs/rules.md"),
     "gpu-npd diagnose --nvml fake:h100-sxm-8-nvlink-down --checks nccl": Spec(
         exit=1, why="'240 GB/s, expected >= 460: fails'; exit code 1", expect=r"GpuNcclBandwidthDegraded"),
     "gpu-npd run --nvml fake:h100-sxm-8 --no-kube --node-name demo": Spec(
@@ -155,12 +162,17 @@ RUN: dict[str, Spec] = {
         subst=(FREE_EMULATOR_PORT,), background=EMULATOR_URL, creates="kc.yaml",
         why="a free port instead of 8080, which may be taken"),
     "gpu-npd emulator --kubeconfig-out kc.yaml --node gpu-17": Spec(background=EMULATOR_URL, creates="kc.yaml"),
+    "gpu-npd emulator --https --kubeconfig-out kc.yaml --node gpu-17": Spec(
+        background=EMULATOR_HTTPS_URL, creates="kc.yaml"),
+    "gpu-npd run --nvml fake:h100-sxm-8-xid79 --kubeconfig kc.yaml --node-name gpu-17": Spec(
+        background=r"condition GpuXidError=True reason=Xid79GpuFellOffBus",
+        why="against the emulator the block started (its kubeconfig): ready once it says GPU 3's XID 79"),
     "gpu-npd emulator --deploy-dir deploy": Spec(background=EMULATOR_URL, expect=r"RBAC from deploy/base$"),
     "gpu-npd emulator --rbac deploy/base --rbac deploy/kwok": Spec(
         background=EMULATOR_URL, expect=r"RBAC from deploy/base, deploy/kwok$"),
     "gpu-npd simulate --fleet fleet.yaml --emulator --duration 300": Spec(
         append="--listen 127.0.0.1:{sim_port}", background=r"nodes starting over",
-        why="fleet.yaml is the README's fleet file; a free port instead of 9809 (which the curl commands "
+        why="fleet.yaml is docs/simulation.md's fleet file; a free port instead of 9809 (which the curl commands "
             "below use); stopped with SIGTERM once its nodes are up, instead of after 300 s"),
     'curl -X POST localhost:9809/faults -d \'{"node": "gpu-h100-0007", "kind": "xid", "gpu": 1, '
     '"params": {"code": 79}}\'': Spec(subst=(FREE_SIM_PORT,), expect=r'"node": "gpu-h100-0007"'),
@@ -184,7 +196,7 @@ RUN: dict[str, Spec] = {
     ".venv/bin/python bench/flood.py": Spec(append="--lines 3000 --xid-every 500", why=SCALED, timeout=120),
 }
 
-# Redirected for every command: fixed ports and root-owned paths the README's commands default to.
+# Redirected for every command: fixed ports and root-owned paths the documented commands default to.
 ENV = {
     "GPU_NPD_LISTEN": "127.0.0.1:0",            # gpu-npd run's default 0.0.0.0:9808 may be taken
     "GPU_NPD_STATE_DIR": "{work}/state",        # run and clear: the DaemonSet's /var/lib/gpu-npd
@@ -193,7 +205,7 @@ ENV = {
 DROPPED_ENV = ("KUBECONFIG", "NODE_NAME", "PYTHONPATH", "http_proxy", "https_proxy", "all_proxy",
                "HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY")
 
-# --- Reading the README ------------------------------------------------------------------------------
+# --- Reading the pages --------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -202,6 +214,7 @@ class Block:
     line: int                      # the opening fence's line, 1-based
     lines: tuple[str, ...]
     before: str                    # the paragraph just above the fence
+    page: str = "README.md"        # the page holding it, relative to the repository
 
 
 @dataclass(frozen=True)
@@ -209,9 +222,14 @@ class Command:
     text: str
     line: int
     block: int
+    page: str = "README.md"
+
+    @property
+    def at(self) -> str:
+        return f"{self.page}:{self.line}"
 
 
-def read_blocks(text: str) -> list[Block]:
+def read_blocks(text: str, page: str = "README.md") -> list[Block]:
     blocks: list[Block] = []
     lines = text.splitlines()
     i = 0
@@ -233,7 +251,7 @@ def read_blocks(text: str) -> list[Block]:
         while j < len(lines) and not lines[j].strip().startswith(fence):
             body.append(lines[j][indent:] if lines[j][:indent].isspace() else lines[j])
             j += 1
-        blocks.append(Block(lang, i + 1, tuple(body), " ".join(para)))
+        blocks.append(Block(lang, i + 1, tuple(body), " ".join(para), page))
         i = j + 1
     return blocks
 
@@ -276,12 +294,12 @@ def block_commands(block: Block) -> list[Command]:
         text = (pending + line).strip()
         pending = ""
         if text:
-            commands.append(Command(text, start, block.line))
-    assert not pending, f"README.md:{start}: a command ends with a line continuation"
+            commands.append(Command(text, start, block.line, block.page))
+    assert not pending, f"{block.page}:{start}: a command ends with a line continuation"
     return commands
 
 
-BLOCKS = read_blocks(README.read_text())
+BLOCKS = [b for page in PAGES for b in read_blocks(page.read_text(), str(page.relative_to(REPO)))]
 SHELL_BLOCKS = [b for b in BLOCKS if b.lang in SHELL_LANGS]
 COMMANDS = [c for b in SHELL_BLOCKS for c in block_commands(b)]
 
@@ -308,13 +326,14 @@ def exclusion(text: str) -> str | None:
 
 
 def yaml_after(marker: str) -> str:
-    """The YAML block whose paragraph above it ends with `marker`."""
+    """The YAML block, on whichever page, whose paragraph above it ends with `marker`."""
     found = [b for b in BLOCKS if b.lang in ("yaml", "yml") and b.before.endswith(marker)]
-    assert len(found) == 1, f"README.md: expected one YAML block after {marker!r}, found {len(found)}"
+    assert len(found) == 1, (f"README.md and docs/: expected one YAML block after {marker!r}, found "
+                             f"{[f'{b.page}:{b.line}' for b in found]}")
     return "\n".join(found[0].lines) + "\n"
 
 
-# Files the README's commands name that a reader brings; made in the copy before any command runs.
+# Files the documented commands name that a reader brings; made in the copy before any command runs.
 def make_files(work: Path) -> None:
     (work / "fleet.yaml").write_text(yaml_after("The fleet file:"))
     (work / "my-rules.yaml").write_text(yaml_after("user's rule file has the same form:"))
@@ -330,6 +349,8 @@ def make_files(work: Path) -> None:
 
 def test_readme_has_shell_commands():
     assert len(SHELL_BLOCKS) >= 5 and len(COMMANDS) >= 20
+    assert {README, SETTINGS_PAGE, REMEDIATION_PAGE} <= set(PAGES)
+    assert {"README.md", "docs/diagnose.md", "docs/simulation.md"} <= {c.page for c in COMMANDS}
 
 
 def test_every_readme_command_is_run_or_excluded():
@@ -339,7 +360,7 @@ def test_every_readme_command_is_run_or_excluded():
             continue
         missing = [p for p in programs(c.text) if p not in RUNNABLE_PROGRAMS and p not in STUBS]
         if missing:
-            unknown.append(f"README.md:{c.line}: {c.text!r} runs {', '.join(missing)}, which this test "
+            unknown.append(f"{c.at}: {c.text!r} runs {', '.join(missing)}, which this test "
                            "neither runs nor excludes: add a pattern with its reason to EXCLUDED, or make it "
                            "runnable (RUNNABLE_PROGRAMS, STUBS)")
     assert not unknown, "\n".join(unknown)
@@ -348,14 +369,14 @@ def test_every_readme_command_is_run_or_excluded():
 def test_run_entries_name_readme_commands():
     texts = {c.text for c in COMMANDS}
     stale = [key for key in RUN if key not in texts]
-    assert not stale, f"RUN has entries for commands the README no longer has: {stale}"
+    assert not stale, f"RUN has entries for commands no page has any more: {stale}"
     excluded = [key for key in RUN if exclusion(key)]
     assert not excluded, f"RUN entries that EXCLUDED also matches (never run): {excluded}"
 
 
 def test_non_shell_blocks_hide_no_commands():
     """A command in an untagged block would never be run: tag the block ```sh."""
-    hidden = [f"README.md:{b.line}: {line!r}" for b in BLOCKS if b.lang not in SHELL_LANGS
+    hidden = [f"{b.page}:{b.line}: {line!r}" for b in BLOCKS if b.lang not in SHELL_LANGS
               for line in b.lines if re.match(r"^\$ |^(gpu-npd|make|kubectl|docker|curl) [a-z-]", line)]
     assert not hidden, "\n".join(hidden)
 
@@ -458,7 +479,7 @@ def environment(tmp: Path, work: Path, values: dict) -> dict:
 def as_run(c: Command, spec: Spec, values: dict) -> str:
     text = c.text
     for old, new in spec.subst:
-        assert old in text, f"README.md:{c.line}: RUN's substitution {old!r} is not in {text!r}"
+        assert old in text, f"{c.at}: RUN's substitution {old!r} is not in {text!r}"
         text = text.replace(old, new.format(**values))
     if spec.append:
         text += " " + spec.append.format(**values)
@@ -473,7 +494,7 @@ def runnable_blocks() -> list[Block]:
     return [b for b in SHELL_BLOCKS if any(not exclusion(c.text) for c in block_commands(b))]
 
 
-@pytest.mark.parametrize("block", runnable_blocks(), ids=lambda b: f"README.md:{b.line}")
+@pytest.mark.parametrize("block", runnable_blocks(), ids=lambda b: f"{b.page}:{b.line}")
 def test_readme_block_runs(block: Block, tmp_path: Path):
     work = working_copy(tmp_path)
     make_files(work)
@@ -487,7 +508,7 @@ def test_readme_block_runs(block: Block, tmp_path: Path):
                 continue
             spec = RUN.get(c.text, Spec())
             text = as_run(c, spec, values)
-            where = f"README.md:{c.line}: {c.text}" + (f"\n  run as: {text}" if text != c.text else "")
+            where = f"{c.at}: {c.text}" + (f"\n  run as: {text}" if text != c.text else "")
             if spec.background:
                 bg = Background(["bash", "-c", "exec " + text], work, env, spec.background)
                 if not bg.ready.wait(spec.timeout) or bg.proc.poll() is not None:
@@ -518,7 +539,7 @@ def test_readme_block_runs(block: Block, tmp_path: Path):
         for c, spec, bg in reversed(running):
             code = bg.stop()
             if code != spec.exit:
-                failures.append(f"README.md:{c.line}: {c.text}\n  exit code {code} after SIGTERM, expected "
+                failures.append(f"{c.at}: {c.text}\n  exit code {code} after SIGTERM, expected "
                                 f"{spec.exit}:\n{tail(bg.output())}")
     assert not failures, "\n\n".join(failures)
 
@@ -682,10 +703,13 @@ def readme_settings_table(text: str) -> str | None:
 
 
 def test_readme_settings_table_is_the_codes():
-    found = readme_settings_table(README.read_text())
-    assert found is not None, f"README.md has no check-settings table (between {SETTINGS_BEGIN!r} and {SETTINGS_END!r})"
-    assert found == settings_table(), ("README.md's check-settings table differs from the checks' code: "
-                                       "run .venv/bin/python tests/test_readme.py to regenerate it")
+    found = readme_settings_table(SETTINGS_PAGE.read_text())
+    assert found is not None, (f"{SETTINGS_PAGE.relative_to(REPO)} has no check-settings table (between "
+                               f"{SETTINGS_BEGIN!r} and {SETTINGS_END!r})")
+    assert found == settings_table(), (f"{SETTINGS_PAGE.relative_to(REPO)}'s check-settings table differs from "
+                                       "the checks' code: run .venv/bin/python tests/test_readme.py to regenerate it")
+    others = [str(p.relative_to(REPO)) for p in PAGES if p != SETTINGS_PAGE and SETTINGS_BEGIN in p.read_text()]
+    assert not others, f"a second check-settings table, which nothing regenerates: {others}"
 
 
 def test_readme_settings_example_is_valid(tmp_path: Path):
@@ -701,29 +725,30 @@ def test_readme_settings_example_is_valid(tmp_path: Path):
 
 
 def test_no_check_settings_from_the_environment():
-    """The README says check settings come only from the config file: keep it so, or document the variables."""
+    """docs/checks.md says check settings come only from the config file: keep it so, or document the variables."""
     offenders = [f"{p.relative_to(REPO)}:{n}" for p in sorted((REPO / "detector").rglob("*.py"))
                  for n, line in enumerate(p.read_text().splitlines(), 1)
                  if re.search(r"environ[^\n]*['\"](GPU_NPD_)?CHECK_", line)]
     assert not offenders, offenders
 
 
-if __name__ == "__main__":               # rewrite the README's check-settings table from the code
-    text = README.read_text()
+if __name__ == "__main__":               # rewrite docs/checks.md's check-settings table from the code
+    text = SETTINGS_PAGE.read_text()
     old = readme_settings_table(text)
     if old is None:
-        sys.exit(f"README.md has no {SETTINGS_BEGIN!r} ... {SETTINGS_END!r} markers to fill")
-    README.write_text(text.replace(old, settings_table()))
-    print("README.md: check-settings table " + ("unchanged" if old == settings_table() else "rewritten"))
+        sys.exit(f"{SETTINGS_PAGE.relative_to(REPO)} has no {SETTINGS_BEGIN!r} ... {SETTINGS_END!r} markers to fill")
+    SETTINGS_PAGE.write_text(text.replace(old, settings_table()))
+    print(f"{SETTINGS_PAGE.relative_to(REPO)}: check-settings table "
+          + ("unchanged" if old == settings_table() else "rewritten"))
 
 
 def test_remediation_table_names_every_condition_type(registry):
-    """The README's table of what each condition asks of whom covers every condition type the bundled
+    """docs/remediation.md's table of what each condition asks of whom covers every condition type the bundled
     rules can set, and names none they cannot."""
     from detector.cli.main import builtin_rules_dir
     from detector.rules.loader import load_rules
 
-    text = (REPO / "README.md").read_text(encoding="utf-8")
+    text = REMEDIATION_PAGE.read_text(encoding="utf-8")
     table = text.split("<!-- remediation-table -->", 1)[1].split("<!-- /remediation-table -->", 1)[0]
     named = {t for line in table.splitlines()[2:] for t in re.findall(r"`([A-Z][A-Za-z]+)`", line.split("|")[1])}
     assert named == load_rules([builtin_rules_dir()], registry.fields_by_check()).types()

@@ -39,7 +39,7 @@ def add_simulate_parser(sub: Any) -> None:
                "  gpu-npd simulate --fleet fleet.yaml --adopt type=kwok           # existing KWOK nodes\n"
                "  gpu-npd simulate --fleet fleet.yaml --kubeconfig KC --shard 1/4 # one of 4 simulators\n"
                "  kubectl apply -k deploy/kwok                                    # in a cluster with KWOK")
-    s.add_argument("--fleet", type=Path, required=True, metavar="FILE", help="the fleet file (YAML; see README)")
+    s.add_argument("--fleet", type=Path, required=True, metavar="FILE", help="the fleet file (YAML; see docs/simulation.md)")
     where = s.add_mutually_exclusive_group()
     where.add_argument("--kubeconfig", default=os.environ.get("KUBECONFIG"),
                        help="kubeconfig [KUBECONFIG] (default: the pod's in-cluster service account)")

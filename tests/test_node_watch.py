@@ -18,6 +18,7 @@ from conftest import REPO
 from detector.daemon.local import SERVICE_ACCOUNT, local_daemon, publish_gpu_slice
 from detector.daemon.run import DaemonSettings
 from detector.kube.api import ApiError, KubeApi
+from detector.kube.connection import Connection
 from detector.kube.node_status import dra_devices, node_status
 from detector.kube.nodewatch import NodeWatch, NodeWatchSettings, signature
 from kube_emulator import Emulator
@@ -340,3 +341,25 @@ def test_a_node_of_real_parts_reads_its_gpus_labels_and_conditions():
     assert parsed.conditions["Ready"].since == 1718964000.0 and parsed.maintenance() == ""
     assert parsed.dra_devices is None and signature(parsed) == signature(node_status(
         {"metadata": {"name": "nvidia1", "labels": labels}, "status": status}, 2.0))
+
+
+class _GoneStream:
+    """A watch response whose socket the pool already closed: shutting it down raises, as urllib3's does."""
+
+    def __init__(self):
+        self.shutdowns = 0
+
+    def shutdown(self) -> None:
+        self.shutdowns += 1
+        raise OSError(9, "Bad file descriptor")
+
+
+def test_ending_a_watch_whose_socket_is_already_gone_is_no_error():
+    """The daemon stopping as a watch ends on its own: the stream's socket is closed twice, and the watch
+    thread must still end quietly (it raised OSError from its last line once, in a test run)."""
+    follow = NodeWatch(KubeApi(Connection("http://127.0.0.1:1")), NODE).nodes
+    gone = _GoneStream()
+    follow._opened(gone)
+    follow.close()
+    follow._opened(gone)          # a watch opened as the stop came: ended at once, quietly too
+    assert gone.shutdowns == 2

@@ -273,6 +273,15 @@ def _query(**params: str) -> str:
     return f"?{text}" if text else ""
 
 
+def end_watch(response: urllib3.BaseHTTPResponse) -> None:
+    """End a watch's read blocked on a quiet stream, from another thread (the daemon stopping). The watch may
+    have ended and given its socket back in the meantime: ending it again is nothing, never an error."""
+    try:
+        response.shutdown()
+    except OSError:
+        pass
+
+
 def _lines(response: urllib3.BaseHTTPResponse) -> Iterator[bytes]:
     """The newline-delimited JSON of a watch, as chunks arrive (a line may span chunks)."""
     pending = b""

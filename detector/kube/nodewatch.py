@@ -36,7 +36,7 @@ import urllib3
 
 from detector.core.nodestatus import NodeStatus
 from detector.kube.annotations import UNHEALTHY_GPUS
-from detector.kube.api import WATCH_TIMEOUT_S, ApiError, KubeApi
+from detector.kube.api import WATCH_TIMEOUT_S, ApiError, KubeApi, end_watch
 from detector.kube.conditions import MARKER
 from detector.kube.dra import discover
 from detector.kube.health import refusal_line
@@ -157,7 +157,7 @@ class _Follow:
             self._response = response
             closed = self._closed
         if closed:
-            response.shutdown()
+            end_watch(response)
 
     def close(self) -> None:
         """End a watch blocked on a quiet stream at once (on the daemon's stop)."""
@@ -165,7 +165,7 @@ class _Follow:
             self._closed = True
             response = self._response
         if response is not None:
-            response.shutdown()
+            end_watch(response)
 
 
 class NodeWatch:

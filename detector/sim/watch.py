@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import urllib3
 
-from detector.kube.api import ApiError, KubeApi
+from detector.kube.api import ApiError, KubeApi, end_watch
 from detector.kube.pacing import Backoff
 
 log = logging.getLogger("gpu_npd.sim")
@@ -44,7 +44,7 @@ class NodeWatch:
         with self._lock:
             response = self._response
         if response is not None:
-            response.shutdown()                  # ends a read blocked on a quiet watch
+            end_watch(response)                  # ends a read blocked on a quiet watch
         if self._thread is not None:
             self._thread.join(10)
 
@@ -101,7 +101,7 @@ class NodeWatch:
         with self._lock:
             self._response = response
         if self._stop.is_set():
-            response.shutdown()
+            end_watch(response)
 
     def _recovered(self) -> None:
         if self._failing:

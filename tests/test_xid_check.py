@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 
 from conftest import REPO, diagnose_host, node_for
 from detector.checks.xid import XidCheck
@@ -279,3 +280,75 @@ def test_an_xid_after_a_quick_reboot_is_a_new_one_not_a_duplicate_of_the_last_bo
         assert xid79.occurrences == 2, boot           # kernel line and NVML event: still once per GPU
         node.inject(Fault("reboot"))
         agent.run(agent.checks)
+
+
+class _ArrivingLines:
+    """A live kmsg reader whose lines arrive in the batches given: `wait` says when more have come."""
+
+    name = "kmsg"
+
+    def __init__(self, batches: list[list[str]]):
+        from detector.backends.kernlog.records import LogLine
+        self._batches = [[LogLine(t, priority=4, realtime=time.time()) for t in b] for b in batches]
+        self.waits = 0
+
+    def read_available(self):
+        return self._batches.pop(0) if self._batches else []
+
+    def wait(self, timeout_s: float) -> bool:
+        self.waits += 1
+        return bool(self._batches)
+
+
+# A real H100's XID 13 (driver 580.159.04, tests/fixtures/real_logs/h100-vm-580-gpucheck-2/dmesg.txt): the
+# process is named on the third line only, 3.1 ms after the first.
+XID13_THREE_LINES = [
+    "NVRM: Xid (PCI:0000:00:06): 13, Graphics SM Warp Exception on (GPC 1, TPC 4, SM 0): Illegal Instruction "
+    "Parameter",
+    "NVRM: Xid (PCI:0000:00:06): 13, Graphics Exception: ESR 0x519730=0xb 0x519734=0x0 0x519728=0x1f81fb60 "
+    "0x51972c=0x1174",
+    "NVRM: Xid (PCI:0000:00:06): 13, pid=656, name=python3, Graphics Exception: channel 0x0000000a, Class 0000cbc0, "
+    "Offset 00000510, Data 0017e2ac",
+]
+
+
+def test_a_read_that_ends_before_an_xid13_names_its_process_waits_for_that_line(registry):
+    """Live, the daemon read a real H100's first two XID 13 lines before the driver printed the third: one
+    fault became an event naming no process and a second naming it. The check now waits (briefly) for the
+    process line, so the fault is one incident naming pid 656."""
+    host = fake_host(node_for("h100-sxm-8"))
+    host.kernel_log = reader = _ArrivingLines([XID13_THREE_LINES[:2], XID13_THREE_LINES[2:]])
+    out = diagnose_host(host, registry, checks=["xid"], settings={"xid": {"nvml_events": False}})
+    obs = out.sweep.runs[0].observations
+    assert [(o.fields["code"], o.fields["pid"], o.fields["process_name"], o.fields["count"]) for o in obs] == [
+        (13, 656, "python3", 3)]
+    assert [p.rule for p in out.problems] == ["xid-13"] and "pid 656" in out.problems[0].message
+    assert reader.waits == 1
+
+
+def test_an_xid13_that_never_names_a_process_is_reported_after_the_short_wait(registry):
+    """Older drivers print XID 13 with no pid at all: waiting ends (at once here: nothing more arrives) and
+    the fault is still one event, naming no process."""
+    host = fake_host(node_for("h100-sxm-8"))
+    host.kernel_log = reader = _ArrivingLines([XID13_THREE_LINES[:1]])
+    out = diagnose_host(host, registry, checks=["xid"], settings={"xid": {"nvml_events": False}})
+    assert [(o.fields["code"], o.fields["pid"]) for o in out.sweep.runs[0].observations] == [(13, None)]
+    assert reader.waits == 1
+
+
+def test_a_complete_fault_is_not_waited_for(registry):
+    host = fake_host(node_for("h100-sxm-8"))
+    host.kernel_log = reader = _ArrivingLines([XID13_THREE_LINES])
+    out = diagnose_host(host, registry, checks=["xid"], settings={"xid": {"nvml_events": False}})
+    assert [o.fields["pid"] for o in out.sweep.runs[0].observations] == [656]
+    assert reader.waits == 0
+
+
+def test_a_line_that_says_the_process_is_unknown_is_not_waited_on(registry):
+    """`pid='<unknown>', name=<unknown>` is the driver saying who it was (nobody it knows): nothing more comes."""
+    host = fake_host(node_for("h100-sxm-8"))
+    host.kernel_log = reader = _ArrivingLines([[
+        "NVRM: Xid (PCI:0000:00:06): 13, pid='<unknown>', name=<unknown>, Graphics Exception: ChID 0010"]])
+    out = diagnose_host(host, registry, checks=["xid"], settings={"xid": {"nvml_events": False}})
+    assert [(o.fields["code"], o.fields["pid"]) for o in out.sweep.runs[0].observations] == [(13, None)]
+    assert reader.waits == 0

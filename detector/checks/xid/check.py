@@ -18,7 +18,7 @@ from typing import Any
 
 from detector.backends.kernlog.records import LogLine, is_kernel
 from detector.checks.xid.applications import GPU_SUSPECT_XIDS, ApplicationFaults
-from detector.checks.xid.incidents import IncidentTracker, gpu_for
+from detector.checks.xid.incidents import Incident, IncidentTracker, gpu_for
 from detector.checks.xid.logfiles import LogNotFound, SavedLog, looks_like_kernel_log, read_head, saved_logs
 from detector.checks.xid.metrics import XidMetrics
 from detector.checks.xid.nvml_events import NvmlXidListener
@@ -61,6 +61,12 @@ FIELDS = {
 }
 TABLE_IGNORED = 5          # user-space lines named in diagnose's table
 TABLE_EVENTS = 20          # kernel events listed in diagnose's table; JSON lists up to max_kernel_events
+# Driver 580 prints an application fault's XID 13 as three lines, the process (pid=, name=) only on the last,
+# within a few ms (3.1 ms on a real H100). Read live, a read can end between them: the check then waits up to
+# PROCESS_LINE_WAIT_S for the rest, or the fault would be one event with no process and a second naming it.
+# Lines older than RECENT_LINE_S (by their own time) are not waited for: their process line would be there.
+PROCESS_LINE_WAIT_S = 0.25
+RECENT_LINE_S = 5.0
 
 
 class XidCheck(Check):
@@ -140,7 +146,17 @@ class XidCheck(Check):
         reader = ctx.host.kernel_log
         if reader is None:
             return "none"
-        for line in reader.read_available():
+        wait = getattr(reader, "wait", None)
+        deadline = time.monotonic() + PROCESS_LINE_WAIT_S
+        while True:
+            self._read_batch(reader.read_available(), run)
+            left = deadline - time.monotonic()
+            if not run.awaits_process(time.time()) or wait is None or left <= 0 or not wait(left):
+                break
+        return getattr(reader, "name", type(reader).__name__)
+
+    def _read_batch(self, lines: list[LogLine], run: "_Run") -> None:
+        for line in lines:
             run.lines += 1
             if not is_kernel(line):
                 continue                         # written by a user-space program, not the kernel
@@ -155,7 +171,6 @@ class XidCheck(Check):
             boot = line.boot_id or self._live_boots.see(parsed)
             if isinstance(parsed, KernelEvent):
                 run.take(parsed, line.lineno, boot, line.realtime or parsed.time, seq=line.seq)
-        return getattr(reader, "name", type(reader).__name__)
 
     # -- a saved log (post-mortem) ---------------------------------------------------------------
 
@@ -246,6 +261,12 @@ class _Run:
         self.ignored = 0
         self.ignored_lines: list[dict[str, Any]] = []
         self.saved: dict[str, Any] = {}
+        self._taken: dict[int, Incident] = {}    # incidents this run's kernel lines went to, by id
+
+    def awaits_process(self, now: float) -> bool:
+        """Whether a recent application fault read in this run still names no process: its line may be next."""
+        return any(i.awaits_process() and (i.last_time is None or now - i.last_time < RECENT_LINE_S)
+                   for i in self._taken.values())
 
     def take(self, event: KernelEvent, lineno: int | None, boot: str, when: float | None,
              seq: int | None = None, file: str | None = None) -> None:
@@ -258,7 +279,9 @@ class _Run:
                                            "message": event.message})
             return
         self._list(event, lineno, seq, boot, file)
-        self.incidents.add_kernel(event, boot, when, lineno, file, taken=time.time())
+        incident = self.incidents.add_kernel(event, boot, when, lineno, file, taken=time.time())
+        if incident is not None:
+            self._taken[id(incident)] = incident
 
     def _list(self, event: KernelEvent, lineno: int | None, seq: int | None, boot: str, file: str | None) -> None:
         if event.origin != KERNEL:

@@ -57,11 +57,13 @@ class Incident:
     pid_lines: int = 0                   # its lines that named a process: one per fault of an application
     sources: set[str] = field(default_factory=set)
     opened_without_pid: bool = False     # its first line named no process (driver 580's XID 13)
+    process_said: bool = False           # one of its lines had the driver's pid=/name=, known or not
     nvml_matched: bool = False           # an NVML event was matched to it
     applications: int | None = None      # set by the check: distinct applications faulting on its GPU
 
     def __post_init__(self) -> None:
         self.opened_without_pid = self.first.pid is None
+        self.process_said = self.first.names_process
 
     def fields(self) -> dict[str, Any]:
         e = self.first
@@ -86,6 +88,11 @@ class Incident:
             return self.first.pid in (None, event.pid)
         return not (self.opened_without_pid and self.first.pid is not None)   # that fault was complete
 
+    def awaits_process(self) -> bool:
+        """An application fault none of whose lines had the process fields yet: that line may be next."""
+        e = self.first
+        return e.kind == "xid" and e.code in APPLICATION_XIDS and not self.process_said
+
     def match_nvml(self) -> None:
         """NVML's event API reported this fault too: one incident, `source: both`."""
         self.nvml_matched = True
@@ -98,6 +105,7 @@ class Incident:
         self.first, self.line, self.file = event, line, file
         self.first_time = self.last_time = when
         self.opened_without_pid = event.pid is None
+        self.process_said = event.names_process
         self.count = 0
         self.follows = follows
 
@@ -209,6 +217,7 @@ class IncidentTracker:
                 self._kernel_seen.append(_Seen(taken, incident, self.run))
         incident.count += 1
         incident.pid_lines += event.pid is not None
+        incident.process_said |= event.names_process
         incident.sources.add("kernel")
         if when is not None:
             incident.last_time = when if incident.last_time is None else max(incident.last_time, when)

@@ -77,6 +77,7 @@ class KernelEvent:
     gpu_instance: int | None = None    # MIG: the GPU instance the driver attributed it to
     boot_id: str | None = None   # journalctl -o json's _BOOT_ID
     detail: bool = False         # an SXid `Severity ...`/`Data {...}` line: detail of the headline before it
+    names_process: bool = False  # the line has the driver's pid=/name= (even `pid='<unknown>'`)
 
     @property
     def caused_by(self) -> int | None:
@@ -150,7 +151,7 @@ def parse_line(line: str, year: int | None = None, kernel: bool = False) -> Pars
     # Direct construction: dataclasses.replace costs a flood of 800,000 lines seconds.
     return KernelEvent(event.kind, event.code, event.pci_bus_id, event.message, event.pid, event.process_name,
                        event.fatal, event.recovery_action, w.time, w.monotonic_s, origin, event.gpu_instance,
-                       w.boot_id, event.detail)
+                       w.boot_id, event.detail, event.names_process)
 
 
 @lru_cache(maxsize=1024)
@@ -201,7 +202,8 @@ def _parse_xid(msg: str) -> KernelEvent | None:
     action = ""
     if code == 154 and (r := _RECOVERY.search(rest)):
         action = RECOVERY_ACTIONS.get(r["to"].strip().lower(), "INSPECT")
-    return KernelEvent("xid", code, bus, rest, pid, name, fatal, action, gpu_instance=gpu_instance)
+    return KernelEvent("xid", code, bus, rest, pid, name, fatal, action, gpu_instance=gpu_instance,
+                       names_process=p is not None or n is not None)
 
 
 def _where(text: str) -> tuple[str, int | None]:

@@ -18,7 +18,7 @@ from typing import Any
 
 from detector.backends.kernlog.records import LogLine, is_kernel
 from detector.checks.xid.applications import GPU_SUSPECT_XIDS, ApplicationFaults
-from detector.checks.xid.incidents import Incident, IncidentTracker, gpu_for
+from detector.checks.xid.incidents import IncidentTracker, gpu_for
 from detector.checks.xid.logfiles import LogNotFound, SavedLog, looks_like_kernel_log, read_head, saved_logs
 from detector.checks.xid.metrics import XidMetrics
 from detector.checks.xid.nvml_events import NvmlXidListener
@@ -261,12 +261,11 @@ class _Run:
         self.ignored = 0
         self.ignored_lines: list[dict[str, Any]] = []
         self.saved: dict[str, Any] = {}
-        self._taken: dict[int, Incident] = {}    # incidents this run's kernel lines went to, by id
 
     def awaits_process(self, now: float) -> bool:
         """Whether a recent application fault read in this run still names no process: its line may be next."""
         return any(i.awaits_process() and (i.last_time is None or now - i.last_time < RECENT_LINE_S)
-                   for i in self._taken.values())
+                   for i in self.incidents.groups)
 
     def take(self, event: KernelEvent, lineno: int | None, boot: str, when: float | None,
              seq: int | None = None, file: str | None = None) -> None:
@@ -279,9 +278,7 @@ class _Run:
                                            "message": event.message})
             return
         self._list(event, lineno, seq, boot, file)
-        incident = self.incidents.add_kernel(event, boot, when, lineno, file, taken=time.time())
-        if incident is not None:
-            self._taken[id(incident)] = incident
+        self.incidents.add_kernel(event, boot, when, lineno, file, taken=time.time())
 
     def _list(self, event: KernelEvent, lineno: int | None, seq: int | None, boot: str, file: str | None) -> None:
         if event.origin != KERNEL:

@@ -89,9 +89,10 @@ class Incident:
         return not (self.opened_without_pid and self.first.pid is not None)   # that fault was complete
 
     def awaits_process(self) -> bool:
-        """An application fault none of whose lines had the process fields yet: that line may be next."""
+        """An application fault read from the kernel log none of whose lines had the process fields yet:
+        that line may be next."""
         e = self.first
-        return e.kind == "xid" and e.code in APPLICATION_XIDS and not self.process_said
+        return e.kind == "xid" and e.code in APPLICATION_XIDS and not self.process_said and "kernel" in self.sources
 
     def match_nvml(self) -> None:
         """NVML's event API reported this fault too: one incident, `source: both`."""

@@ -35,7 +35,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from detector.agent.active import ConditionStatus  # noqa: E402
-from detector.cli.main import builtin_rules_dir  # noqa: E402
+from detector.rules.sources import builtin_rules_dir  # noqa: E402
 from detector.core.gpu_health import DEGRADED, FAILED, GpuHealth  # noqa: E402
 from detector.core.types import GpuRef  # noqa: E402
 from detector.kube.annotations import UNHEALTHY_GPUS, unhealthy_gpus_annotation  # noqa: E402

@@ -23,8 +23,6 @@ class FaultArgs(Protocol):
 
 # fn(fault, the node's live state, the fault's GPU or None, the node): changes the state, may log to the node.
 Apply = Callable[[FaultArgs, NodeState, FakeGpu | None, FakeNode], None]
-# fn(state, the GPUs a `recover` resets (every GPU for a node repair or reboot), whole node).
-Heal = Callable[[NodeState, list[FakeGpu], bool], None]
 
 
 @dataclass(frozen=True)

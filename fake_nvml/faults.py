@@ -12,7 +12,7 @@ from types import MappingProxyType
 from typing import Any, Mapping
 
 from fake_nvml import device_plugin, infiniband, nvml_memory, nvml_nvlink, nvml_thermal, system
-from fake_nvml.fault_kind import FaultArgs, FaultKind, Heal, set_field
+from fake_nvml.fault_kind import FaultArgs, FaultKind, set_field
 from fake_nvml.node import FakeGpu, FakeNode, NodeState
 
 # What the driver prints for the XIDs whose text a test is likely to look at.
@@ -143,10 +143,16 @@ def _kernel_line(f: FaultArgs, state: NodeState, gpu: FakeGpu | None, node: Fake
     node.log_kernel(f.params["message"], f.params.get("priority", 4))
 
 
-# What `recover` (a GPU reset, or with no GPU a node repair) and `reboot` do to the state each fake module
-# keeps for its check, in this order.
-_HEALS: tuple[Heal, ...] = (nvml_memory.heal, nvml_thermal.heal, system.heal, nvml_nvlink.heal, infiniband.heal,
-                            device_plugin.heal)
+# The fake modules that keep a check's own state: each declares the fault kinds it applies (its FAULTS) and
+# heals its state on `recover` (a GPU reset, or with no GPU a node repair) and `reboot` (its `heal`), in this order.
+_MODULES = (
+    nvml_memory,       # the memory check: ECC, row remapping, retired pages
+    nvml_thermal,      # the thermal check: throttling, power, memory temperature
+    system,            # the driver check: kernel modules, device files, recovery actions
+    nvml_nvlink,       # the nvlink and fabric checks
+    infiniband,        # the infiniband check
+    device_plugin,     # the allocatable check
+)
 
 
 def _recover(f: FaultArgs, state: NodeState, gpu: FakeGpu | None, node: FakeNode) -> None:
@@ -160,8 +166,8 @@ def _recover(f: FaultArgs, state: NodeState, gpu: FakeGpu | None, node: FakeNode
     if gpu is None:
         state.driver_loaded, state.smi_hang_s, state.nccl_busbw_factor = True, 0.0, 1.0
         state.nccl_hang_s, state.nccl_wrong = 0.0, 0
-    for heal in _HEALS:            # each check's fake state heals its own way
-        heal(state, gpus, gpu is None)
+    for module in _MODULES:        # each check's fake state heals its own way
+        module.heal(state, gpus, gpu is None)
 
 
 def _reboot(f: FaultArgs, state: NodeState, gpu: FakeGpu | None, node: FakeNode) -> None:
@@ -214,12 +220,5 @@ FAULTS: tuple[FaultKind, ...] = (
 )
 
 # Every fault kind by name: read-only, built once from the modules' declarations, shared by every fake node.
-FAULT_KINDS: Mapping[str, FaultKind] = MappingProxyType({k.name: k for k in (
-    *FAULTS,
-    *nvml_memory.FAULTS,       # the memory check: ECC, row remapping, retired pages
-    *system.FAULTS,            # the driver check: kernel modules, device files, recovery actions
-    *nvml_thermal.FAULTS,      # the thermal check: throttling, power, memory temperature
-    *nvml_nvlink.FAULTS,       # the nvlink and fabric checks
-    *infiniband.FAULTS,        # the infiniband check
-    *device_plugin.FAULTS,     # the allocatable check
-)})
+FAULT_KINDS: Mapping[str, FaultKind] = MappingProxyType(
+    {k.name: k for k in (*FAULTS, *(kind for m in _MODULES for kind in m.FAULTS))})

@@ -9,7 +9,7 @@ from typing import Sequence
 import pytest
 
 from detector.agent.oneshot import diagnose_once
-from detector.cli.main import builtin_rules_dir
+from detector.rules.sources import builtin_rules_dir
 from detector.config import build_checks
 from detector.core.check import CheckRegistry
 from detector.core.sweep import Host, SweepResult

@@ -242,7 +242,7 @@ def test_a_template_that_repeats_its_message_says_it_once():
 
 def test_agent_reuses_a_recent_inventory_for_the_xid_check_only_until_it_is_old(registry):
     from detector.agent.agent import AgentSettings, NodeAgent
-    from detector.cli.main import builtin_rules_dir
+    from detector.rules.sources import builtin_rules_dir
     from detector.config import build_checks
     from fake_nvml.host import fake_host
     from fake_nvml.scenario import load_scenario

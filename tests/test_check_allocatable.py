@@ -12,7 +12,7 @@ import pytest
 from conftest import Clock
 from detector.agent.agent import AgentSettings, NodeAgent
 from detector.checks.allocatable import AllocatableCheck
-from detector.cli.main import builtin_rules_dir
+from detector.rules.sources import builtin_rules_dir
 from detector.config import build_checks
 from detector.core.gpu_health import gpu_health
 from detector.core.nodecheck import NodeView

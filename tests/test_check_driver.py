@@ -16,7 +16,7 @@ from test_daemon_e2e import emulator, fast_settings, running  # noqa: F401 - fix
 from detector.backends.system import (HostSystem, SystemInfo, host_system, parse_device_minor,
                                       parse_driver_version, parse_proc_modules)
 from detector.checks.driver import DriverCheck
-from detector.cli.main import builtin_rules_dir
+from detector.rules.sources import builtin_rules_dir
 from detector.core.types import Observation, Severity
 from detector.rules.engine import RuleEngine
 from detector.rules.loader import load_rules

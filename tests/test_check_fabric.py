@@ -14,7 +14,7 @@ from test_cli import diagnose_json
 from test_daemon_e2e import emulator, fast_settings, running  # noqa: F401 - fixtures
 from detector.backends.system import SystemInfo
 from detector.checks.fabric import FabricCheck
-from detector.cli.main import builtin_rules_dir
+from detector.rules.sources import builtin_rules_dir
 from detector.core.sweep import run_sweep
 from detector.core.types import Observation, Severity
 from detector.rules.engine import RuleEngine

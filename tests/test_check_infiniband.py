@@ -16,7 +16,7 @@ from test_daemon_e2e import emulator, fast_settings, running  # noqa: F401 - fix
 from detector.backends.infiniband import (IbPort, SysfsInfiniband, counter_max, parse_counter, parse_rate,
                                           parse_state, read_port, sysfs_infiniband)
 from detector.checks.infiniband import InfinibandCheck
-from detector.cli.main import builtin_rules_dir
+from detector.rules.sources import builtin_rules_dir
 from detector.core.sweep import run_sweep
 from detector.core.types import Observation, Severity
 from detector.rules.engine import RuleEngine

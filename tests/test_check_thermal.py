@@ -11,7 +11,7 @@ from conftest import Clock, diagnose_scenario
 from test_cli import diagnose_json
 from test_daemon_e2e import emulator, fast_settings, running  # noqa: F401 - fixtures
 from detector.checks.thermal import ThermalCheck
-from detector.cli.main import builtin_rules_dir
+from detector.rules.sources import builtin_rules_dir
 from detector.core.sweep import run_sweep
 from detector.core.types import Observation, Severity
 from detector.rules.engine import RuleEngine

@@ -121,7 +121,7 @@ def test_pcie_width_is_judged_only_while_busy(registry):
 def test_a_gpu_whose_utilization_nvml_cannot_give_is_not_judged(registry):
     """A real A100 in MIG mode prints utilization N/A: busy is unknown (null), and null never matches."""
     from pathlib import Path
-    from detector.cli.main import builtin_rules_dir
+    from detector.rules.sources import builtin_rules_dir
     from detector.rules.engine import RuleEngine
     from detector.rules.loader import load_rules
     from fake_nvml.replay.host import replay_host
@@ -306,7 +306,7 @@ def test_hanging_and_failing_checks_become_problems_and_the_sweep_goes_on(regist
     from detector.core.sweep import run_sweep
     from detector.rules.engine import RuleEngine
     from detector.rules.loader import load_rules
-    from detector.cli.main import builtin_rules_dir
+    from detector.rules.sources import builtin_rules_dir
     from detector.checks.pcie import PcieCheck
     t0 = time.monotonic()
     sweep = run_sweep(fake_host(node_for("h100-sxm-8-pcie-x8")), [_SleepyCheck(), _BrokenCheck(), PcieCheck()])

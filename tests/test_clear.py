@@ -9,7 +9,8 @@ import time
 
 from conftest import node_for
 from detector.agent.agent import AgentSettings, NodeAgent
-from detector.cli.main import builtin_rules_dir, main
+from detector.cli.main import main
+from detector.rules.sources import builtin_rules_dir
 from detector.config import build_checks
 from detector.rules.loader import load_rules
 from fake_nvml.faults import Fault

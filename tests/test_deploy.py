@@ -493,7 +493,7 @@ def test_kwok_nodes_follow_kwok_conventions():
 
 def test_site_rules_load_with_the_rule_loader(tmp_path, registry):
     """The DaemonSet loads them beside the bundled rules (as its args say); empty, they add nothing."""
-    from detector.cli.main import builtin_rules_dir
+    from detector.rules.sources import builtin_rules_dir
     site = configmap_file("site-rules.yaml", tmp_path)
     ruleset = load_rules([builtin_rules_dir(), site], registry.fields_by_check())
     assert ruleset.counts_by_file()[str(site)] == 0 and ruleset.rules

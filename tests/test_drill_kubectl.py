@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from detector.cli.main import builtin_rules_dir
+from detector.rules.sources import builtin_rules_dir
 from detector.cli.simulate import SIMULATOR_USER
 from detector.core.check import CheckRegistry
 from detector.daemon.local import REPO_DEPLOY

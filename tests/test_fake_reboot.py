@@ -209,7 +209,7 @@ def test_kmsg_reader_and_a_rebooting_node_in_two_threads():
 def _agent_on(node: FakeNode, names: list[str], state_dir=None):
     from conftest import Clock as ManualClock
     from detector.agent.agent import AgentSettings, NodeAgent
-    from detector.cli.main import builtin_rules_dir
+    from detector.rules.sources import builtin_rules_dir
     from detector.config import build_checks
     from detector.core.check import CheckRegistry
     from detector.rules.loader import load_rules

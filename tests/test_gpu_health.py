@@ -6,7 +6,7 @@ from __future__ import annotations
 from conftest import Clock, node_for
 from detector.agent.agent import AgentSettings, NodeAgent
 from detector.agent.metrics import AgentMetrics
-from detector.cli.main import builtin_rules_dir
+from detector.rules.sources import builtin_rules_dir
 from detector.config import build_checks
 from detector.core.check import CheckRegistry
 from detector.core.gpu_health import DEGRADED, FAILED, HEALTHY, carry_since, gpu_health, gpu_key

@@ -27,7 +27,8 @@ import pytest
 import yaml
 
 from conftest import REPO
-from detector.cli.main import build_parser, rule_paths
+from detector.cli.main import build_parser
+from detector.rules.sources import rule_paths
 from detector.config import build_checks, load_check_settings
 from detector.rules.loader import load_rules
 from test_deploy_render import (  # noqa: F401  (kubectl and no_network are fixtures)

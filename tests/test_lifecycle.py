@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 
 from detector.agent.agent import AgentSettings, AgentSink, NodeAgent
-from detector.cli.main import builtin_rules_dir
+from detector.rules.sources import builtin_rules_dir
 from detector.config import build_checks
 from detector.core.nodestatus import NodeCondition, NodeStatus
 from detector.rules.loader import load_rules

@@ -29,7 +29,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import REPO
 from detector.agent.metrics import AgentMetrics
-from detector.cli.main import builtin_rules_dir
+from detector.rules.sources import builtin_rules_dir
 from detector.core.check import CheckRegistry
 from detector.daemon.local import REPO_DEPLOY, local_daemon
 from detector.daemon.run import DaemonSettings

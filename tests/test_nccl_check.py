@@ -15,7 +15,8 @@ from detector.agent.metrics import AgentMetrics
 from detector.checks.nccl import NcclCheck
 from detector.checks.nccl.probe import ProbeRequest, ProbeResult
 from detector.checks.nccl.size import parse_size, show_size
-from detector.cli.main import builtin_rules_dir, main
+from detector.cli.main import main
+from detector.rules.sources import builtin_rules_dir
 from detector.config import build_checks
 from detector.core.sweep import run_sweep
 from detector.rules.loader import load_rules

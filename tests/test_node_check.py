@@ -15,7 +15,8 @@ from detector.agent.agent import AgentSettings, NodeAgent
 from detector.agent.metrics import AgentMetrics
 from detector.checks.node import NodeStateCheck, span
 from detector.checks.node.history import HISTORY_FILE, MAX_BOOTS, History, read_history
-from detector.cli.main import builtin_rules_dir, main
+from detector.cli.main import main
+from detector.rules.sources import builtin_rules_dir
 from detector.config import build_checks
 from detector.rules.loader import RuleErrors, load_rules
 from fake_nvml.faults import Fault

@@ -22,7 +22,7 @@ import pytest
 import yaml
 
 from conftest import REPO
-from detector.cli.main import builtin_rules_dir
+from detector.rules.sources import builtin_rules_dir
 from detector.rules.loader import load_rules
 from test_deploy_render import (  # noqa: F401  (kubectl and no_network are fixtures)
     CPU_NODE, GFD_ONLY_NODE, GPU_OPERATOR_NODE, KWOK_GPU_NODE, NFD_ONLY_NODE, kubectl, no_network, node, one,

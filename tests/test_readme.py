@@ -747,7 +747,7 @@ if __name__ == "__main__":               # rewrite docs/checks.md's check-settin
 def test_remediation_table_names_every_condition_type(registry):
     """docs/remediation.md's table of what each condition asks of whom covers every condition type the bundled
     rules can set, and names none they cannot."""
-    from detector.cli.main import builtin_rules_dir
+    from detector.rules.sources import builtin_rules_dir
     from detector.rules.loader import load_rules
 
     text = REMEDIATION_PAGE.read_text(encoding="utf-8")

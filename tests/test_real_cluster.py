@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from detector.cli.main import builtin_rules_dir
+from detector.rules.sources import builtin_rules_dir
 from detector.config import build_checks
 from detector.core.check import CheckRegistry
 from detector.daemon.run import Daemon, DaemonSettings

@@ -9,7 +9,9 @@ import logging
 
 import pytest
 
-from detector.cli.main import load_ruleset, main
+from detector.cli.main import main
+
+from detector.rules.sources import load_ruleset
 from detector.core.check import CheckRegistry
 
 MINE = """version: 1

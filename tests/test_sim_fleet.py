@@ -14,7 +14,7 @@ import urllib.request
 import pytest
 
 from conftest import REPO
-from detector.cli.main import builtin_rules_dir
+from detector.rules.sources import builtin_rules_dir
 from detector.cli.simulate import SIMULATOR_USER, _inject
 from detector.core.check import CheckRegistry
 from detector.daemon.local import REPO_DEPLOY

@@ -252,7 +252,7 @@ def test_a_code_no_rule_names_is_reported_by_the_fallback_never_dropped(ruleset,
 @pytest.fixture(scope="module")
 def bundled() -> RuleSet:
     """Every bundled rule file, as `gpu-npd diagnose` loads them by default."""
-    from detector.cli.main import load_ruleset
+    from detector.rules.sources import load_ruleset
     from detector.core.check import CheckRegistry
 
     return load_ruleset(None, CheckRegistry.from_entry_points())

@@ -262,7 +262,7 @@ def test_an_xid_after_a_quick_reboot_is_a_new_one_not_a_duplicate_of_the_last_bo
     a reboot: a fake node the simulator reboots under a running agent, with the same XID 79 back within
     seconds, must show it again in every boot (it did not: only the first boot's was reported)."""
     from detector.agent.agent import AgentSettings, NodeAgent
-    from detector.cli.main import builtin_rules_dir
+    from detector.rules.sources import builtin_rules_dir
     from detector.config import build_checks
     from detector.rules.loader import load_rules
 

@@ -15,7 +15,8 @@ import pytest
 
 from conftest import diagnose_host, node_for
 from detector.checks.xid import XidCheck
-from detector.cli.main import builtin_rules_dir, main
+from detector.cli.main import main
+from detector.rules.sources import builtin_rules_dir
 from detector.core.sweep import run_sweep
 from detector.rules.engine import RuleEngine
 from detector.rules.loader import load_rules

@@ -19,9 +19,7 @@ from detector.cli.signals import Interrupted, on_stop_signals, restore
 from detector.config import UsageError, load_selected_checks
 from detector.core.check import CheckRegistry
 from detector.rules.loader import RuleErrors
-# builtin_rules_dir and rule_paths are kept importable from here for callers of the command's module
-from detector.rules.sources import (BUILTIN_RULES, builtin_rules_dir, describe_rules, load_ruleset,  # noqa: F401
-                                    rule_paths, rule_sources)
+from detector.rules.sources import describe_rules, load_ruleset, rule_sources
 from detector.yamlsource import SourceError
 
 EXIT_HEALTHY, EXIT_PROBLEMS, EXIT_USAGE = 0, 1, 2

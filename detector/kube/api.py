@@ -6,11 +6,17 @@ limit.
 Responses are plain JSON (no model objects): cheap in memory and CPU, which matters when one simulator
 process speaks for thousands of nodes. Failures become ApiError with what a caller needs to decide:
 retry (and when), or stop because a permission is missing.
+
+Nothing the server (or a proxy in front of it) sends can hold a thread or memory without bound: every
+request has an overall deadline (deadline.py), a response body and a watch line have a size cap larger
+than any real object (the API server stores objects up to 1.5 MiB), a Retry-After is obeyed up to a
+minute, and a watch event of the wrong shape is a failure like a broken connection, not a crash.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import threading
 import time
 from collections import Counter
@@ -21,12 +27,19 @@ from urllib.parse import quote
 import urllib3
 
 from detector.kube.connection import ConfigError, Connection, load_connection
+from detector.kube.deadline import Watchdog, guard_pool, guarded
 from detector.kube.health import RBAC_HINT, ApiHealth, refusal_line
-from detector.kube.pacing import TokenBucket
+from detector.kube.pacing import RETRY_AFTER_CAP_S, TokenBucket
 
 EVENT_NAMESPACE = "default"     # where Kubernetes keeps events about cluster-scoped objects such as Nodes
 REQUEST_TIMEOUT = urllib3.Timeout(connect=5.0, read=15.0)
+REQUEST_DEADLINE_S = 30.0        # a whole request, connect to last byte: a trickling server cannot hold one longer
 WATCH_TIMEOUT_S = 300            # a watch asks the server to end it after this long; the caller watches again
+WATCH_GRACE_S = 60.0             # ... and is cut this long after that, whatever the server keeps sending
+# The API server stores objects up to 1.5 MiB (etcd's request limit): one object, or one watch event (the
+# object plus a line of framing), fits easily in 4 MiB; a longer line is not an object but an attack.
+MAX_OBJECT_BYTES = 4 << 20
+MAX_BODY_BYTES = 16 << 20        # a response other than a list page: an object, a Status, a small list
 STRATEGIC_MERGE = "application/strategic-merge-patch+json"
 MERGE_PATCH = "application/merge-patch+json"
 USER_AGENT = "gpu-npd"
@@ -83,6 +96,8 @@ class KubeApi:
         self.counts = counts or RequestCounts()
         self._limiter_lock = threading.Lock()
         self._sleep = sleep
+        self.watchdog = Watchdog()
+        guard_pool(self.http)
 
     @classmethod
     def from_kubeconfig(cls, kubeconfig: str | None, context: str | None = None, **kwargs: Any) -> "KubeApi":
@@ -96,12 +111,16 @@ class KubeApi:
         """The fleet simulator's adoption of existing (KWOK) nodes; the daemon never lists."""
         return self.list_node_collection(label_selector).get("items", [])
 
-    def list_node_page(self, label_selector: str = "", limit: int = 500, continue_token: str = "") -> dict[str, Any]:
+    def list_node_page(self, label_selector: str = "", limit: int = 500, continue_token: str = "",
+                       max_bytes: int | None = None) -> dict[str, Any]:
         """One page of a chunked LIST (`gpu-npd fleet`): at most `limit` nodes, and metadata.continue when
-        more follow (a 410 Gone when that token's snapshot has expired: list again)."""
+        more follow (a 410 Gone when that token's snapshot has expired: list again). A page larger than
+        `max_bytes` (by default room for `limit` objects of the largest size the API server stores) is an
+        ApiError TooLarge."""
         params = [("labelSelector", label_selector), ("limit", str(limit)), ("continue", continue_token)]
         query = "&".join(f"{k}={quote(v, safe='')}" for k, v in params if v)
-        return self._call("list", "nodes", "GET", f"/api/v1/nodes?{query}")
+        cap = max_bytes if max_bytes is not None else max(MAX_BODY_BYTES, limit * (3 << 19))
+        return self._call("list", "nodes", "GET", f"/api/v1/nodes?{query}", max_bytes=cap)
 
     def watch_nodes(self, label_selector: str, resource_version: str, timeout_s: int = WATCH_TIMEOUT_S,
                     on_open: Callable[[urllib3.BaseHTTPResponse], None] | None = None,
@@ -196,24 +215,24 @@ class KubeApi:
         query = _query(watch="1", allowWatchBookmarks="true", resourceVersion=resource_version,
                        timeoutSeconds=str(int(timeout_s)), labelSelector=label_selector, fieldSelector=field_selector)
         read_timeout = urllib3.Timeout(connect=5.0, read=timeout_s + 30.0)
-        response = self._send("watch", resource, "GET", path + query, timeout=read_timeout, stream=True)
-        if on_open is not None:
-            on_open(response)
-        try:
-            for line in _lines(response):
-                event = json.loads(line)
-                if event.get("type") == "ERROR":
-                    status = event.get("object") or {}
-                    raise ApiError(int(status.get("code") or 500), status.get("reason") or "Error",
-                                   status.get("message") or "watch error", None, "watch", resource)
-                yield event
-        except (urllib3.exceptions.HTTPError, OSError) as e:
-            raise ApiError(0, "ConnectionFailed", f"watch ended: {type(e).__name__}: {e}", None,
-                           "watch", resource) from None
-        except ValueError:
-            raise ApiError(0, "BadResponse", "a watch event is not JSON", None, "watch", resource) from None
-        finally:
-            response.release_conn()
+        with guarded(self.watchdog, timeout_s + WATCH_GRACE_S) as guard:
+            response = self._send("watch", resource, "GET", path + query, timeout=read_timeout, stream=True,
+                                  guard_fired=lambda: guard.fired)
+            if on_open is not None:
+                on_open(response)
+            try:
+                for line in _lines(response, MAX_OBJECT_BYTES):
+                    yield watch_event(json.loads(line), resource)
+            except (urllib3.exceptions.HTTPError, OSError) as e:
+                if guard.fired:
+                    raise ApiError(0, "Timeout", f"watch still open {timeout_s + WATCH_GRACE_S:.0f}s after "
+                                   f"asking for {timeout_s}s: cut", None, "watch", resource) from None
+                raise ApiError(0, "ConnectionFailed", f"watch ended: {type(e).__name__}: {e}", None,
+                               "watch", resource) from None
+            except (ValueError, RecursionError):
+                raise ApiError(0, "BadResponse", "a watch event is not JSON", None, "watch", resource) from None
+            finally:
+                response.release_conn()
 
     def _pace(self) -> None:
         with self._limiter_lock:
@@ -222,17 +241,39 @@ class KubeApi:
             self.limiter.try_take()
 
     def _call(self, verb: str, resource: str, method: str, path: str, body: Any = None,
-              content_type: str = "application/json", name: str = "") -> dict[str, Any]:
-        response = self._send(verb, resource, method, path, body, content_type, name)
+              content_type: str = "application/json", name: str = "", max_bytes: int = MAX_BODY_BYTES
+              ) -> dict[str, Any]:
+        """One request and its JSON object, within REQUEST_DEADLINE_S and `max_bytes`."""
+        with guarded(self.watchdog, REQUEST_DEADLINE_S) as guard:
+            response = self._send(verb, resource, method, path, body, content_type, name, stream=True,
+                                  guard_fired=lambda: guard.fired)
+            try:
+                data = _read_capped(response, max_bytes)
+            except (urllib3.exceptions.HTTPError, OSError) as e:
+                error = _failed(verb, resource, name, e, guard.fired)
+                self._heard(error)
+                raise error from None
+            except ValueError as e:             # over max_bytes
+                error = ApiError(0, "TooLarge", str(e), None, verb, resource, name)
+                self._heard(error)
+                raise error from None
+            finally:
+                response.release_conn()
         try:
-            return json.loads(response.data) if response.data else {}
-        except ValueError:
-            raise ApiError(response.status, "BadResponse", "the API server's answer is not JSON") from None
+            value = json.loads(data) if data else {}
+        except (ValueError, RecursionError):
+            raise ApiError(response.status, "BadResponse", "the API server's answer is not JSON", None,
+                           verb, resource, name) from None
+        if not isinstance(value, dict):
+            raise ApiError(response.status, "BadResponse", f"the API server's answer is a JSON "
+                           f"{type(value).__name__}, not an object", None, verb, resource, name)
+        return value
 
     def _send(self, verb: str, resource: str, method: str, path: str, body: Any = None,
               content_type: str = "application/json", name: str = "", timeout: urllib3.Timeout = REQUEST_TIMEOUT,
-              stream: bool = False) -> urllib3.BaseHTTPResponse:
-        """One request, paced and counted; a 2xx response (its body unread when `stream`), else ApiError."""
+              stream: bool = False, guard_fired: Callable[[], bool] = lambda: False) -> urllib3.BaseHTTPResponse:
+        """One request, paced and counted; a 2xx response (its body unread when `stream`), else ApiError.
+        `guard_fired` says whether a failure is the request's deadline passing."""
         self._pace()
         headers = {"Accept": "application/json", "User-Agent": USER_AGENT}
         token = self.connection.bearer()
@@ -246,7 +287,7 @@ class KubeApi:
                                          timeout=timeout, retries=False, redirect=False, preload_content=not stream)
         except (urllib3.exceptions.HTTPError, OSError) as e:
             self.counts.add(verb, resource, "error")
-            error = ApiError(0, "ConnectionFailed", f"{type(e).__name__}: {e}", None, verb, resource, name)
+            error = _failed(verb, resource, name, e, guard_fired())
             self._heard(error)
             raise error from None
         self.counts.add(verb, resource, str(response.status))
@@ -254,10 +295,13 @@ class KubeApi:
             if self.health is not None:
                 self.health.record(verb, resource, response.status)
         else:
-            if stream:
-                response.read(cache_content=True)     # the Status body, kept for _api_error
+            try:
+                status_body = _read_capped(response, MAX_BODY_BYTES) if stream else response.data
+            except (urllib3.exceptions.HTTPError, OSError, ValueError):
+                status_body = b""                     # a Status cut short or too long: the code says enough
+            finally:
                 response.release_conn()
-            error = _api_error(response, verb, resource, name)
+            error = _api_error(response, status_body, verb, resource, name)
             self._heard(error)
             raise error
         return response
@@ -282,33 +326,98 @@ def end_watch(response: urllib3.BaseHTTPResponse) -> None:
         pass
 
 
-def _lines(response: urllib3.BaseHTTPResponse) -> Iterator[bytes]:
-    """The newline-delimited JSON of a watch, as chunks arrive (a line may span chunks)."""
-    pending = b""
+def _lines(response: urllib3.BaseHTTPResponse, limit: int) -> Iterator[bytes]:
+    """The newline-delimited JSON of a watch, as chunks arrive (a line may span chunks). A line longer
+    than `limit` raises ApiError TooLarge: its bytes are never all kept. Each byte is
+    looked at once (a line arriving in many small chunks costs no more than one arriving whole)."""
+    pending = bytearray()
     for chunk in response.stream(64 * 1024, decode_content=True):
-        pending += chunk
-        *lines, pending = pending.split(b"\n")
-        yield from (line for line in lines if line.strip())
+        start = 0
+        while (end := chunk.find(b"\n", start)) >= 0:
+            pending += chunk[start:end]
+            _check_line(pending, limit)
+            if pending.strip():
+                yield bytes(pending)
+            pending.clear()
+            start = end + 1
+        pending += chunk[start:]
+        _check_line(pending, limit)
     if pending.strip():
-        yield pending
+        yield bytes(pending)
 
 
-def _api_error(response: urllib3.BaseHTTPResponse, verb: str, resource: str, name: str) -> ApiError:
+def _check_line(line: bytearray, limit: int) -> None:
+    if len(line) > limit:
+        raise ApiError(0, "TooLarge", f"a watch event over {limit:,} bytes (larger than any object the API "
+                       "server stores)", None, "watch")
+
+
+def watch_event(event: Any, resource: str) -> dict[str, Any]:
+    """A watch line's JSON as {"type": str, "object": dict}; ApiError BadResponse for any other shape, and
+    the ERROR event's Status as ApiError (410: the caller lists again)."""
+    if not isinstance(event, dict) or not isinstance(event.get("type"), str):
+        raise ApiError(0, "BadResponse", f"a watch event that is a JSON {_shape(event)}, not an object with a "
+                       "type", None, "watch", resource)
+    obj = event.get("object")
+    if event["type"] == "ERROR":
+        status = obj if isinstance(obj, dict) else {}
+        code = status.get("code")
+        return_code = code if isinstance(code, int) and 100 <= code < 600 else 500
+        raise ApiError(return_code, str(status.get("reason") or "Error")[:200],
+                       str(status.get("message") or obj or "watch error")[:500], None, "watch", resource)
+    if not isinstance(obj, dict):
+        raise ApiError(0, "BadResponse", f"a {event['type'][:40]} watch event whose object is a JSON "
+                       f"{_shape(obj)}", None, "watch", resource)
+    return event
+
+
+def _shape(value: Any) -> str:
+    return {dict: "object", list: "list", str: "string", bool: "boolean", type(None): "null"}.get(
+        type(value), "number")
+
+
+def _read_capped(response: urllib3.BaseHTTPResponse, limit: int) -> bytes:
+    """The whole body, refused (ValueError) once it passes `limit` bytes: a declared Content-Length over
+    the limit is refused before reading, a body without one as soon as it passes."""
+    declared = response.headers.get("Content-Length") if response.headers else None
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise ValueError(f"an answer of {int(declared):,} bytes, over the {limit:,}-byte limit")
+    body = bytearray()
+    for chunk in response.stream(64 * 1024, decode_content=True):
+        body += chunk
+        if len(body) > limit:
+            raise ValueError(f"an answer over the {limit:,}-byte limit")
+    return bytes(body)
+
+
+def _failed(verb: str, resource: str, name: str, e: Exception, deadline_passed: bool) -> ApiError:
+    if deadline_passed:
+        return ApiError(0, "Timeout", f"no complete answer within {REQUEST_DEADLINE_S:.0f}s", None, verb,
+                        resource, name)
+    return ApiError(0, "ConnectionFailed", f"{type(e).__name__}: {e}", None, verb, resource, name)
+
+
+def _api_error(response: urllib3.BaseHTTPResponse, body: bytes, verb: str, resource: str, name: str) -> ApiError:
     message, reason = response.reason or "", "Error"
     try:
-        status = json.loads(response.data or b"{}")
-        message, reason = status.get("message", message), status.get("reason", reason) or reason
-    except (ValueError, AttributeError):
+        status = json.loads(body or b"{}")
+        message, reason = str(status.get("message", message))[:1000], str(status.get("reason", reason) or reason)[:200]
+    except (ValueError, AttributeError, RecursionError):
         pass
-    return ApiError(response.status, reason, message, _retry_after(response.headers), verb, resource, name)
+    return ApiError(response.status, reason, message, retry_after(response.headers), verb, resource, name)
 
 
-def _retry_after(headers: Any) -> float | None:
+def retry_after(headers: Any) -> float | None:
+    """The server's Retry-After in seconds, at most RETRY_AFTER_CAP_S; None when absent or not a finite
+    number of seconds (an HTTP date, "inf", "nan": our own backoff decides)."""
     value = (headers or {}).get("Retry-After")
     try:
-        return max(0.0, float(value)) if value is not None else None
+        seconds = float(value) if value is not None else None
     except ValueError:
-        return None           # an HTTP date: rare from the API server; fall back to our own backoff
+        return None
+    if seconds is None or not math.isfinite(seconds):
+        return None
+    return min(max(0.0, seconds), RETRY_AFTER_CAP_S)
 
 
 __all__ = ["ApiError", "ConfigError", "KubeApi", "RequestCounts"]

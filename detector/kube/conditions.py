@@ -26,6 +26,7 @@ from typing import Any, Callable, Iterable
 from detector.agent.active import ConditionStatus
 from detector.kube.annotations import UNHEALTHY_GPUS
 from detector.kube.api import ApiError, KubeApi
+from detector.kube.node_status import obj, objects, text
 from detector.kube.pacing import Backoff, jittered
 from detector.kube.stamps import rfc3339
 
@@ -72,13 +73,13 @@ class ConditionReporter:
         ones go; the annotation is written only if it has to change."""
         with self._lock:
             if not self._annotation_written:
-                value = ((node_object.get("metadata") or {}).get("annotations") or {}).get(self.annotation_key)
+                value = obj(obj(node_object.get("metadata")).get("annotations")).get(self.annotation_key)
                 self._annotation_sent = value if isinstance(value, str) else None
-            for c in (node_object.get("status") or {}).get("conditions") or []:
-                t, message = c.get("type", ""), c.get("message") or ""
+            for c in objects(obj(node_object.get("status")).get("conditions")):
+                t, message = text(c.get("type")), text(c.get("message"))
                 if t in self.owned:
-                    self._sent.setdefault(t, _Sent(c.get("status", ""), c.get("reason", ""), message,
-                                                   c.get("lastTransitionTime") or rfc3339(self.clock())))
+                    self._sent.setdefault(t, _Sent(text(c.get("status")), text(c.get("reason")), message,
+                                                   text(c.get("lastTransitionTime")) or rfc3339(self.clock())))
                 elif message.startswith(MARKER):
                     self._stale.add(t)
             self._dirty = self._dirty or bool(self._stale)

@@ -1,7 +1,9 @@
 """A Node object (and this node's ResourceSlices) as the plain NodeStatus that checks and the agent read.
 
 Tolerant by design: a field missing or malformed reads as absent, never as an error, since a node object is
-written by kubelet, device plugins, DRA drivers and people, and a check must still judge what is there.
+written by kubelet, device plugins, DRA drivers and people (and any gpu-npd pod may patch a node's status),
+and a check must still judge what is there. `obj`, `objects` and `text` are the shape checks for that:
+the reporter reads the node's conditions through them too.
 """
 
 from __future__ import annotations
@@ -21,27 +23,45 @@ TYPE_ATTRIBUTES = ("type", f"{NVIDIA_DRA_DRIVER}/type")
 INDEX_ATTRIBUTES = ("index", f"{NVIDIA_DRA_DRIVER}/index")
 
 
+def obj(value: Any) -> dict[str, Any]:
+    """`value` if it is a JSON object, else an empty one (a field of the wrong type reads as absent)."""
+    return value if isinstance(value, dict) else {}
+
+
+def objects(value: Any) -> list[dict[str, Any]]:
+    """The JSON objects of a list; anything else in it (or a value that is no list) is left out."""
+    return [v for v in value if isinstance(v, dict)] if isinstance(value, list) else []
+
+
+def text(value: Any, default: str = "") -> str:
+    """A string field: a string as it is, a number or boolean as written; any other shape is `default`."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value)
+    return default
+
+
 def node_status(node: Mapping[str, Any], read_at: float, dra_devices: tuple[DraDevice, ...] | None = None,
                 dra_error: str = "") -> NodeStatus:
-    metadata = node.get("metadata") or {}
-    status = node.get("status") or {}
+    metadata = obj(node.get("metadata"))
+    status = obj(node.get("status"))
     conditions = {}
-    for c in status.get("conditions") or []:
-        if isinstance(c, dict) and c.get("type"):
-            conditions[c["type"]] = NodeCondition(str(c["type"]), str(c.get("status", "Unknown")),
-                                                  str(c.get("reason") or ""), str(c.get("message") or ""),
-                                                  parse_time(c.get("lastTransitionTime")))
-    spec = node.get("spec") or {}
-    taints = tuple(_taint(t) for t in spec.get("taints") or [] if isinstance(t, dict) and t.get("key"))
-    return NodeStatus(str(metadata.get("name", "")), read_at, _strings(status.get("capacity")),
+    for c in objects(status.get("conditions")):
+        if type_ := text(c.get("type")):
+            conditions[type_] = NodeCondition(type_, text(c.get("status"), "Unknown"), text(c.get("reason")),
+                                              text(c.get("message")), parse_time(c.get("lastTransitionTime")))
+    spec = obj(node.get("spec"))
+    taints = tuple(_taint(t) for t in objects(spec.get("taints")) if text(t.get("key")))
+    return NodeStatus(text(metadata.get("name")), read_at, _strings(status.get("capacity")),
                       _strings(status.get("allocatable")), _strings(metadata.get("labels")),
                       _strings(metadata.get("annotations")), conditions, dra_devices, dra_error, taints,
                       bool(spec.get("unschedulable")))
 
 
 def _taint(taint: Mapping[str, Any]) -> str:
-    value = f"={taint['value']}" if taint.get("value") else ""
-    return f"{taint['key']}{value}:{taint.get('effect', '')}"
+    value = f"={text(taint.get('value'))}" if text(taint.get("value")) else ""
+    return f"{text(taint.get('key'))}{value}:{text(taint.get('effect'))}"
 
 
 def dra_devices(slices: Iterable[Mapping[str, Any]], node: str,
@@ -49,27 +69,26 @@ def dra_devices(slices: Iterable[Mapping[str, Any]], node: str,
     """The devices of `node`'s ResourceSlices of `driver` (attributes sit under devices[].basic before
     resource.k8s.io/v1beta2, directly under devices[] from it on). A pool being republished has slices of
     two generations for a while: only its newest generation counts, as the API asks of every consumer."""
-    mine = [s for s in slices if (s.get("spec") or {}).get("nodeName") == node
-            and (s.get("spec") or {}).get("driver") == driver]
+    specs = [obj(s.get("spec")) for s in slices if isinstance(s, dict)]
+    mine = [spec for spec in specs if spec.get("nodeName") == node and spec.get("driver") == driver]
     newest: dict[str, int] = {}
-    for s in mine:
-        pool = (s.get("spec") or {}).get("pool") or {}
-        newest[str(pool.get("name", ""))] = max(newest.get(str(pool.get("name", "")), 0), _int(pool.get("generation")))
+    for spec in mine:
+        pool = obj(spec.get("pool"))
+        newest[text(pool.get("name"))] = max(newest.get(text(pool.get("name")), 0), _int(pool.get("generation")))
     out = []
-    for s in mine:
-        spec = s.get("spec") or {}
-        pool = str((spec.get("pool") or {}).get("name", ""))
-        if _int((spec.get("pool") or {}).get("generation")) < newest[pool]:
+    for spec in mine:
+        pool = text(obj(spec.get("pool")).get("name"))
+        if _int(obj(spec.get("pool")).get("generation")) < newest[pool]:
             continue
-        for d in spec.get("devices") or []:
-            attributes = d.get("attributes") or (d.get("basic") or {}).get("attributes") or {}
+        for d in objects(spec.get("devices")):
+            attributes = obj(d.get("attributes")) or obj(obj(d.get("basic")).get("attributes"))
             bus = _first(attributes, BUS_ID_ATTRIBUTES)
             try:
                 bus = normalize_bus_id(bus) if bus else ""
             except ValueError:
                 bus = ""
             index = _first(attributes, INDEX_ATTRIBUTES)
-            out.append(DraDevice(str(d.get("name", "")), pool, _first(attributes, TYPE_ATTRIBUTES) or "gpu",
+            out.append(DraDevice(text(d.get("name")), pool, _first(attributes, TYPE_ATTRIBUTES) or "gpu",
                                  _first(attributes, UUID_ATTRIBUTES) or None, bus or None,
                                  int(index) if str(index).isdigit() else None))
     return tuple(out)
@@ -98,7 +117,7 @@ def _first(attributes: Mapping[str, Any], names: Iterable[str]) -> str:
 def _int(value: Any) -> int:
     try:
         return int(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         return 0
 
 

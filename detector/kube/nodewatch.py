@@ -3,10 +3,19 @@
 The daemon lists its node with a field selector (`metadata.name=<node>`: one object, and the List's
 resourceVersion to start from), then watches from there with bookmarks, so the API server sends only this
 node's changes. A watch the server ends (timeoutSeconds, about 5 minutes) is started again from the last
-resourceVersion seen; 410 Gone (the history no longer reaches back) lists again; a failure waits a
-jittered, doubling backoff; a refusal (401, 403) is said once in the log with the RBAC that grants it, and
-asked again only every `refused_retry_s`. Nothing here raises into the daemon: `current()` is the latest
-NodeStatus (None until the node was read, or while it does not exist).
+resourceVersion seen; 410 Gone (the history no longer reaches back) lists again; a refusal (401, 403) is
+said once in the log with the RBAC that grants it, and asked again only every `refused_retry_s`. Nothing
+here raises into the daemon: `current()` is the latest NodeStatus (None until the node was read, or while
+it does not exist).
+
+Gentle when the API server is in trouble: every failure waits a jittered, doubling backoff from the first
+one (2.5 s, then 5, 10, ... up to the watch period itself, 5 minutes), and a watch that ends before it has
+lived `healthy_watch_s` counts as a failure too, however it ended (at once, after a bookmark, with a 410):
+only a watch that lived resets the backoff, and only a 410 ending such a watch is listed again at once.
+So a server or proxy that answers every watch with 410, or ends every watch at once, or answers 429 or 5xx,
+gets at most 12 node LIST/WATCH requests in any minute from one daemon (the waits' lower bounds, 1.25 +
+2.5 + 5 + 10 + 20 s, leave room for six LIST+WATCH rounds), falling to the normal one watch per 5 minutes
+as the fault lasts. A reply of the wrong shape is a failure like any other: one log line per failing spell.
 
 `on_change` fires only when something a check reads changed: capacity, allocatable, labels,
 annotations, a condition's type, status or reason, taints, the cordon, the DRA devices. kubelet writes the node's status every
@@ -47,7 +56,7 @@ log = logging.getLogger("gpu_npd.kube")
 
 RBAC_HINT = ("deploy/base/rbac.yaml does (get, list and watch nodes; get, list and watch resourceslices), or run "
              "gpu-npd with --no-node-watch")
-QUICK_END_S = 1.0            # a watch that ends this soon with no event is a failure, not the server's timeout
+HEALTHY_WATCH_S = 60.0       # a watch that lived this long (or half its timeout) was a working one
 NOT_YET = "ResourceSlices not read yet"
 
 Opened = Callable[[urllib3.BaseHTTPResponse], None]
@@ -60,9 +69,15 @@ class NodeWatchSettings:
     driver: str = NVIDIA_DRA_DRIVER
     qps: float = 2.0
     burst: int = 5
-    backoff_base_s: float = 0.5
-    backoff_cap_s: float = 30.0
+    backoff_base_s: float = 2.5             # the first failure waits 1.25-2.5 s, each further one twice that
+    backoff_cap_s: float = float(WATCH_TIMEOUT_S)   # a lasting fault costs what a working watch does
     refused_retry_s: float = 300.0          # after a 401/403: ask again this rarely
+    healthy_watch_s: float = HEALTHY_WATCH_S     # only a watch that lived this long resets the backoff
+
+    def healthy_after_s(self) -> float:
+        """How long a watch must live to count as working: HEALTHY_WATCH_S, or half the timeout asked of
+        the server when that is shorter (tests ask for watches of a second or two)."""
+        return min(self.healthy_watch_s, self.timeout_s / 2)
 
 
 def signature(status: NodeStatus | None) -> tuple | None:
@@ -86,11 +101,13 @@ class _Follow:
                  watch: Callable[[str, Opened], Iterator[dict[str, Any]]],
                  reset: Callable[[list[dict[str, Any]]], None], event: Callable[[str, dict[str, Any]], None],
                  bookmark: Callable[[], None], failed: Callable[[ApiError, float], None],
-                 recovered: Callable[[str], None], backoff: Backoff):
+                 recovered: Callable[[str, bool], None], backoff: Backoff, healthy_after_s: float,
+                 clock: Callable[[], float] = time.monotonic):
         self.what, self.list_, self.watch = what, list_, watch
         self.reset, self.event, self.bookmark, self.failed, self.recovered = reset, event, bookmark, failed, recovered
-        self.backoff = backoff
+        self.backoff, self.healthy_after_s, self.clock = backoff, healthy_after_s, clock
         self.version: str | None = None
+        self.watch_began: float | None = None               # when the watch now running (or last run) began
         self.lists = self.watches = self.events = 0          # for the tests and the benchmark
         self._response: urllib3.BaseHTTPResponse | None = None
         self._lock = threading.Lock()
@@ -98,36 +115,60 @@ class _Follow:
 
     def run(self, stop: threading.Event) -> None:
         while not stop.is_set():
+            self.watch_began = None
             try:
                 if self.version is None:
-                    collection = self.list_()
-                    self.lists += 1
-                    self.version = str((collection.get("metadata") or {}).get("resourceVersion") or "0")
-                    self.reset(list(collection.get("items") or []))
-                    self._ok("list")
-                began = time.monotonic()
-                seen = self._watch(stop)
-                self._ok("watch")
-                if not seen and time.monotonic() - began < QUICK_END_S and not stop.is_set():
-                    stop.wait(self.backoff.next_delay())   # ended at once, empty: a proxy or a server going away
+                    self._list()
+                self._watch(stop)
+                lived = self._lived()
+                self.recovered("watch", lived)
+                if stop.is_set() or lived:
+                    continue                     # the server's timeout: watch again at once
+                error = ApiError(0, "EndedEarly", "the watch ended after "
+                                 f"{self.clock() - (self.watch_began or 0):.1f}s, before its timeout")
+                delay = self.backoff.next_delay()
             except ApiError as e:
                 if stop.is_set():
                     return
                 if e.status == 410:              # too old: what changed since must be read from a new list
-                    log.info("%s watch: resourceVersion %s expired; reading again", self.what, self.version)
                     self.version = None
-                    continue
-                delay = self.backoff.after(e.status, e.retry_after_s)
-                self.failed(e, delay)
-                stop.wait(delay)
-            except Exception:  # noqa: BLE001 - a bug in a handler must not end the watch
-                log.exception("%s watch: handling an event failed; reading again", self.what)
+                    if self._lived():
+                        log.info("%s watch: resourceVersion expired; reading again", self.what)
+                        continue
+                error, delay = e, self.backoff.after(e.status, e.retry_after_s)
+            except Exception as e:  # noqa: BLE001 - a bug or a malformed object must not end the watch
                 self.version = None
-                stop.wait(1.0)
+                error = ApiError(0, "BadObject", f"{type(e).__name__}: {e}", None, "watch")
+                delay = self.backoff.next_delay()
+            self.failed(error, delay)
+            stop.wait(delay)
+
+    def _lived(self) -> bool:
+        """The last watch lived long enough to count as working: the backoff starts over."""
+        if self.watch_began is not None and self.clock() - self.watch_began >= self.healthy_after_s:
+            self.backoff.reset()
+            return True
+        return False
+
+    def _list(self) -> None:
+        collection = self.list_()
+        self.lists += 1
+        items = collection.get("items")
+        if items is None:
+            items = []
+        if not isinstance(items, list) or not all(isinstance(i, dict) for i in items):
+            raise ApiError(0, "BadResponse", f"a {self.what} list whose items are not a list of objects",
+                           None, "list")
+        version = (collection.get("metadata") or {}).get("resourceVersion") \
+            if isinstance(collection.get("metadata"), dict) else None
+        self.reset(items)
+        self.version = str(version or "0")[:256]
+        self.recovered("list", False)
 
     def _watch(self, stop: threading.Event) -> int:
         assert self.version is not None
         self.watches += 1
+        self.watch_began = self.clock()
         seen = 0
         try:
             for event in self.watch(self.version, self._opened):
@@ -140,17 +181,14 @@ class _Follow:
                     self.bookmark()
                 elif kind in ("ADDED", "MODIFIED", "DELETED"):
                     self.event(kind, obj)
-                version = (obj.get("metadata") or {}).get("resourceVersion")
+                metadata = obj.get("metadata")
+                version = metadata.get("resourceVersion") if isinstance(metadata, dict) else None
                 if version:
-                    self.version = str(version)
+                    self.version = str(version)[:256]
         finally:
             with self._lock:
                 self._response = None
         return seen
-
-    def _ok(self, verb: str) -> None:
-        self.backoff.reset()
-        self.recovered(verb)
 
     def _opened(self, response: urllib3.BaseHTTPResponse) -> None:
         with self._lock:
@@ -194,7 +232,7 @@ class NodeWatch:
             "node", lambda: self.api.list_node_collection(field_selector=selector),
             lambda rv, opened: self.api.watch_nodes("", rv, s.timeout_s, opened, field_selector=selector),
             self._nodes_listed, self._node_event, self._bookmark, self._failed("node"), self._recovered("node"),
-            self._backoff(rng))
+            self._backoff(rng), s.healthy_after_s())
         self.slices: _Follow | None = None
         self._slice_backoff = self._backoff(rng)
         self._rng = rng
@@ -234,7 +272,7 @@ class NodeWatch:
             "ResourceSlice", lambda: self.api.list_resource_slice_collection(version, selector),
             lambda rv, opened: self.api.watch_resource_slices(version, selector, rv, self.settings.timeout_s, opened),
             self._slices_listed, self._slice_event, self._bookmark, self._failed("slices"),
-            self._recovered("slices"), self._slice_backoff)
+            self._recovered("slices"), self._slice_backoff, self.settings.healthy_after_s())
         if not stop.is_set():
             self.slices.run(stop)
 
@@ -336,11 +374,13 @@ class NodeWatch:
                 log.debug("%s watch still failing (%s); retrying in %.1fs", topic, e, delay)
         return failed
 
-    def _recovered(self, topic: str) -> Callable[[str], None]:
+    def _recovered(self, topic: str) -> Callable[[str, bool], None]:
+        """A request answered: a refusal of it is over; and, once a watch has lived (`working`), the
+        failing spell is over too (a list that works while every watch fails is still a failing spell)."""
         resource = "nodes" if topic == "node" else "resourceslices"
 
-        def recovered(verb: str) -> None:
-            if topic in self._failing:
+        def recovered(verb: str, working: bool) -> None:
+            if working and topic in self._failing:
                 self._failing.discard(topic)
                 log.info("%s watch working again", topic)
             if self._refused.pop(f"{verb} {resource}", None) is not None:

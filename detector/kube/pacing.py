@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 import time
 from dataclasses import dataclass, field
@@ -41,9 +42,24 @@ class TokenBucket:
         return 0.0 if self.tokens >= 1 else (1 - self.tokens) / self.rate
 
 
+# Retry-After asks for a pause; a real API server asks for a second or a few (priority and fairness, a
+# starting server). A minute is past any honest request and short enough that a report delayed by one
+# hostile or broken header still reaches the API server within two minutes.
+RETRY_AFTER_CAP_S = 60.0
+
+
+def honoured(retry_after_s: float | None) -> float:
+    """How much of a Retry-After is obeyed: a finite number of seconds, at most RETRY_AFTER_CAP_S (an
+    infinite or absurd one would otherwise silence the daemon for good)."""
+    if retry_after_s is None or not math.isfinite(retry_after_s):
+        return 0.0
+    return min(max(0.0, retry_after_s), RETRY_AFTER_CAP_S)
+
+
 @dataclass
 class Backoff:
-    """Exponential backoff with full jitter, floored by the server's Retry-After."""
+    """Exponential backoff with equal jitter (each wait between half and all of the doubling ceiling, so
+    the first failures already space out), floored by the server's Retry-After up to RETRY_AFTER_CAP_S."""
 
     base_s: float = 0.5
     cap_s: float = 30.0
@@ -54,14 +70,14 @@ class Backoff:
     def after(self, status: int, retry_after_s: float | None = None) -> float:
         """The wait after a failed request with this HTTP status (0: no answer)."""
         if status in (401, 403, 404):
-            return max(self.refused_s, retry_after_s or 0.0)
+            return max(self.refused_s, honoured(retry_after_s))
         return self.next_delay(retry_after_s)
 
     def next_delay(self, retry_after_s: float | None = None) -> float:
         self.failures += 1
-        ceiling = min(self.cap_s, self.base_s * 2 ** (self.failures - 1))
+        ceiling = min(self.cap_s, self.base_s * 2 ** min(self.failures - 1, 60))
         delay = self.rng.uniform(ceiling / 2, ceiling)
-        return max(delay, retry_after_s or 0.0)
+        return max(delay, honoured(retry_after_s))
 
     def reset(self) -> None:
         self.failures = 0

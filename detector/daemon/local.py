@@ -9,7 +9,7 @@ from __future__ import annotations
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -82,8 +82,10 @@ def local_daemon(scenario: str = "h100-sxm-8", node_name: str = "gpu-node-1", *,
                  settings: DaemonSettings | None = None, check_settings: dict[str, Any] | None = None,
                  checks: list[str] | None = None, emulator: Emulator | None = None,
                  state_dir: Path | None = None, workdir: Path | None = None,
-                 user: str = SERVICE_ACCOUNT, rbac: Path = REPO_DEPLOY, node: FakeNode | None = None) -> LocalDaemon:
-    """Build (not start) a daemon for a fresh fake node registered on an emulator (started if not given)."""
+                 user: str = SERVICE_ACCOUNT, rbac: Path = REPO_DEPLOY, node: FakeNode | None = None,
+                 api_server: str | None = None) -> LocalDaemon:
+    """Build (not start) a daemon for a fresh fake node registered on an emulator (started if not given).
+    `api_server`: talk to this URL instead of the emulator's own (a proxy in front of it, in the tests)."""
     workdir = workdir or Path(tempfile.mkdtemp(prefix="gpu-npd-local-"))
     owns = emulator is None
     if emulator is None:
@@ -102,6 +104,8 @@ def local_daemon(scenario: str = "h100-sxm-8", node_name: str = "gpu-node-1", *,
     registry = CheckRegistry.from_entry_points()
     ruleset = load_rules([builtin_rules_dir()], registry.fields_by_check())
     api = KubeApi.from_kubeconfig(str(kubeconfig), qps=50.0, burst=100)
+    if api_server is not None:
+        api = KubeApi(replace(api.connection, server=api_server), qps=50.0, burst=100)
     daemon = Daemon(host, build_checks(registry, checks, check_settings or {}), ruleset, api, settings)
     return LocalDaemon(emulator, node, daemon, workdir, _owns_emulator=owns)
 

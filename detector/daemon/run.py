@@ -11,7 +11,10 @@
   when the allocatable check or DRA taints need them) that is Host.node_status, and judges the node again
   at once when something a check reads changed (nodewatch.py);
 - endpoints: /metrics, /healthz (the daemon's own loops are turning: an API outage never gets the pod
-  killed) and /readyz (reports are reaching the API server).
+  killed) and /readyz (reports are reaching the API server, and none is overdue).
+Every loop is kept (core/keeper.py): one that dies of a bug is started again, and one that keeps dying
+turns /healthz unhealthy. Changes to the node arrive through the watch in bursts (a label flapping): a
+burst is judged once (core/debounce.py).
 SIGTERM sets `stop`; every loop wakes within a second and the daemon exits within a few seconds, abandoning
 a sweep stuck in a hung NVML call.
 """
@@ -30,6 +33,8 @@ from detector.agent.agent import AgentSettings, AgentSink, NodeAgent
 from detector.agent.metrics import AgentMetrics
 from detector.core.check import Check
 from detector.core.deadline import Hung, call_with_deadline
+from detector.core.debounce import Debounce
+from detector.core.keeper import Kept, keep
 from detector.core.sweep import Host
 from detector.core.types import Problem
 from detector.daemon.endpoints import Endpoints
@@ -38,6 +43,7 @@ from detector.kube.conditions import MARKER, MESSAGE_LIMIT
 from detector.kube.device_taints import DeviceTaintSettings, DeviceTaintSink
 from detector.kube.health import ApiHealth, ReportingState
 from detector.kube.nodewatch import NodeWatch, NodeWatchSettings
+from detector.kube.pacing import Backoff
 from detector.kube.reporter import KubeReporter, ReporterSettings
 from detector.rules.loader import RuleSet
 
@@ -48,7 +54,10 @@ ALLOCATABLE_CHECK = "allocatable"   # compares the node's advertised GPUs with N
 STALL_S = 120.0          # /healthz fails when the scheduler has not come round for this long
 SHUTDOWN_WAIT_S = 2.0    # on SIGTERM, how long the loops get to finish before they are abandoned
 FINAL_SEND_S = 4.0       # ... and the last send; the DaemonSet's grace period is 10 s
-
+# /readyz fails when a report has waited this long past its time: a request that hangs, or a sender that
+# stopped turning, is not "reporting" even before the API server has refused anything. Longer than one
+# request's whole deadline (kube/api.py REQUEST_DEADLINE_S, 30 s) plus the backoff's first waits.
+OVERDUE_S = 45.0
 
 @dataclass
 class DaemonSettings:
@@ -112,6 +121,8 @@ class Daemon:
                                  message_limit=min(self.settings.agent.message_limit, MESSAGE_LIMIT - len(MARKER)))
         self.agent = NodeAgent(host, checks, ruleset, sinks, agent_settings, clock, rng)
         self._kick = threading.Event()
+        self._node_burst = Debounce()
+        self._kept: list[Kept] = []
         self._xid_done = threading.Event()
         self._last_loop = time.monotonic()
         self._split_lanes = any(c.long_running for c in self.agent.checks)
@@ -124,6 +135,10 @@ class Daemon:
         stalled = time.monotonic() - self._last_loop
         if stalled > STALL_S:
             return False, f"failing: the check scheduler has not run for {stalled:.0f}s"
+        kept = self._kept + (self.node_watch.kept if self.node_watch is not None else [])
+        failing = [k.describe() for k in kept if k.failing]
+        if failing:
+            return False, "failing: " + "; ".join(failing)
         return True, "ok"
 
     def readiness(self) -> tuple[bool, str]:
@@ -132,6 +147,10 @@ class Daemon:
         if not alive:
             return alive, text
         state = self.api_health.state() if self.api_health else ReportingState(True, "ok")
+        if state.reporting and self.reporter is not None and self.reporter.started:
+            due = self.reporter.due_at()
+            if due is not None and self.clock() - due > OVERDUE_S:
+                return False, f"not reporting: a report is {self.clock() - due:.0f}s overdue"
         return state.reporting, state.detail
 
     def run(self) -> int:
@@ -189,14 +208,16 @@ class Daemon:
             log.warning("closing the GPU backend hung; exiting without it")
 
     def _spawn(self, name: str, target: Callable[[], None]) -> threading.Thread:
-        t = threading.Thread(target=target, name=name, daemon=True)
-        t.start()
-        return t
+        kept = keep(name, target, self.stop, log)
+        self._kept.append(kept)
+        assert kept.thread is not None
+        return kept.thread
 
     def _node_changed(self) -> None:
-        """The node watch saw something a check reads change: judge the node again now."""
-        self.agent.kick_node_checks()
-        self._kick.set()
+        """The node watch saw something a check reads change: judge the node again once the burst it
+        belongs to has passed (the scheduler loop takes it)."""
+        if self._node_burst.poke():
+            self._kick.set()
 
     # -- loops ----------------------------------------------------------------------------------
 
@@ -205,9 +226,14 @@ class Daemon:
         while not self.stop.is_set():
             self._last_loop = time.monotonic()
             wait = self.agent.next_due(lane) - self.clock()
+            burst = self._node_burst.due_in()
+            if burst is not None:
+                wait = min(wait, burst)
             if wait > 0:
                 self._kick.wait(min(wait, 1.0))
                 self._kick.clear()
+            if self._node_burst.take():
+                self.agent.kick_node_checks()
             try:
                 self.agent.run_due(lane)
             except Exception:  # noqa: BLE001 - a bug in one sweep must not end the daemon
@@ -242,7 +268,11 @@ class Daemon:
                 self._xid_done.wait(5.0)            # until the xid check has read what woke us
 
     def _send_loop(self) -> None:
+        """Send what is due. A flush that raises (a bug, or something the API server sent that slipped
+        past the shape checks) is said once per failing spell and waited on with a growing pause, never
+        retried in a tight loop with a traceback each time."""
         assert self.reporter is not None
+        backoff = Backoff(1.0, 60.0)
         while not self.stop.is_set():
             due = self.reporter.due_at()
             wait = 1.0 if due is None else min(1.0, max(0.0, due - self.clock()))
@@ -251,8 +281,17 @@ class Daemon:
             self.reporter.wake.clear()
             try:
                 self.reporter.flush()
-            except Exception:  # noqa: BLE001
-                log.exception("sending to the API server failed")
+            except Exception as e:  # noqa: BLE001
+                pause = backoff.next_delay()
+                if backoff.failures == 1:
+                    log.exception("sending to the API server failed; trying again in %.0fs", pause)
+                else:
+                    log.debug("sending still failing (%s: %s)", type(e).__name__, e)
+                self.stop.wait(pause)
+                continue
+            if backoff.failures:
+                log.info("sending to the API server works again after %d failures", backoff.failures)
+                backoff.reset()
 
     def _final_flush(self) -> None:
         """On the way out, one last try to send what changed (bounded by the request timeout)."""

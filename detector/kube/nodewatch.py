@@ -43,6 +43,7 @@ from typing import Any, Callable, Iterator
 
 import urllib3
 
+from detector.core.keeper import Kept, keep
 from detector.core.nodestatus import NodeStatus
 from detector.kube.annotations import UNHEALTHY_GPUS
 from detector.kube.api import WATCH_TIMEOUT_S, ApiError, KubeApi, end_watch
@@ -227,6 +228,7 @@ class NodeWatch:
         self._refused: dict[str, str] = {}         # "verb resource" -> the line said
         self._failing: set[str] = set()
         self.changes = 0                            # on_change calls, for the tests and the benchmark
+        self.kept: list[Kept] = []                  # the watch threads: the daemon's health reads them
         selector = f"metadata.name={node}"
         self.nodes = _Follow(
             "node", lambda: self.api.list_node_collection(field_selector=selector),
@@ -253,15 +255,17 @@ class NodeWatch:
         watches at once. Never raises."""
         log.info("watching node %s%s", self.node, f" and its ResourceSlices of driver {self.settings.driver}"
                  if self.settings.read_slices else "")
-        threads = [_spawn("node-watch", lambda: self.nodes.run(stop))]
+        kept = [keep("node-watch", lambda: self.nodes.run(stop), stop, log)]
         if self.settings.read_slices:
-            threads.append(_spawn("slice-watch", lambda: self._run_slices(stop)))
+            kept.append(keep("slice-watch", lambda: self._run_slices(stop), stop, log))
+        self.kept = kept
         stop.wait()
         for follow in (self.nodes, self.slices):
             if follow is not None:
                 follow.close()
-        for t in threads:
-            t.join(2.0)
+        for k in kept:
+            if k.thread is not None:
+                k.thread.join(2.0)
 
     def _run_slices(self, stop: threading.Event) -> None:
         version = self._discover(stop)
@@ -390,12 +394,6 @@ class NodeWatch:
 
 def _items(mapping: Any) -> tuple:
     return tuple(sorted(mapping.items()))
-
-
-def _spawn(name: str, target: Callable[[], None]) -> threading.Thread:
-    t = threading.Thread(target=target, name=name, daemon=True)
-    t.start()
-    return t
 
 
 __all__ = ["NodeWatch", "NodeWatchSettings", "signature"]

@@ -21,10 +21,11 @@ from detector.core.types import GpuRef, Problem, Severity, action_strength
 from detector.rules.model import MESSAGE_LIMIT, Rule, compose_message, finding_of
 
 STATE_VERSION = 1
-# problems.json holds at most one latch per loaded rule (they are keyed by rule and check, and a rule names
-# one check). A latch is at most about 10 KB as saved: a message of MESSAGE_LIMIT (1,024) characters, 64
-# GPUs named and its times (tests/test_state_files_hostile.py measures one). All 217 bundled rules held at
-# once, each naming 64 GPUs, would be about 2.1 MB, far beyond any real node. The limit is small on purpose:
+# problems.json holds at most one latch per rule and check it judges: 241 pairs for the bundled rules (the
+# rules over a run's status, check failed or timed out, count once per check). A latch is at most about
+# 10 KB as saved: a message of MESSAGE_LIMIT (1,024) characters, 64 GPUs named and its times. All of them
+# held at once, each naming 64 GPUs, would be about 2.3 MB, far beyond any real node
+# (tests/test_state_files_hostile.py builds that file and checks it fits). The limit is small on purpose:
 # parsing JSON can cost 25 times the file's size (a file of empty objects), so a planted file costs the
 # daemon at most about 100 MiB for a moment. clear-result.json holds a subset of the same latches.
 PROBLEMS_LIMIT = 4 << 20

@@ -113,6 +113,82 @@ def test_a_failed_gpu_the_plugin_stopped_advertising_is_no_mismatch(engine):
     assert verdicts(engine, view(status, refs, refs, degraded))[1] == {}
 
 
+# -- quantities, as the API server may write them (issue 30, finding 13) ------------------------------------
+
+def counted(allocatable: str | None, capacity: str | None = "8") -> NodeStatus:
+    def only(value: str | None) -> dict[str, str]:
+        return {"cpu": "96", **({"nvidia.com/gpu": value} if value is not None else {})}
+    return NodeStatus("n", 0.0, capacity=only(capacity), allocatable=only(allocatable))
+
+
+def eight_with_gpu_3_lost() -> tuple[list[GpuRef], list[GpuRef], list[Problem]]:
+    refs = gpus(8)
+    return [lost(r) if r.index == 3 else r for r in refs], refs, [problem(refs[3])]
+
+
+@pytest.mark.parametrize("quantity, advertised", [("8k", 8000), ("1e3", 1000), ("8000m", 8), ("8.0", 8),
+                                                   ("+8", 8), ("0.008k", 8)])
+def test_allocatable_as_a_quantity_with_a_gpu_lost_is_a_mismatch(engine, quantity, advertised):
+    """int("8k") fails: read so, the lost GPU went unreported. As a quantity it is counted."""
+    visible, known, problems = eight_with_gpu_3_lost()
+    observations, found = verdicts(engine, view(counted(quantity), visible, known, problems))
+    assert observations[0].fields["advertised"] == advertised
+    assert set(found) == {"AdvertisedGpusMissing"}
+    assert found["AdvertisedGpusMissing"].type == "GpuAllocatableMismatch"
+    assert "GPU 3 (" in found["AdvertisedGpusMissing"].message
+
+
+@pytest.mark.parametrize("allocatable, capacity", [("8", "8"), ("8.0", "8"), ("8000m", "8k"), ("8", "8000m"),
+                                                    ("0.008k", "8e0"), ("8", "1e1")])
+def test_the_same_count_in_another_form_is_no_mismatch(engine, allocatable, capacity):
+    observations, found = verdicts(engine, view(counted(allocatable, capacity), gpus(8)))
+    assert found == {}
+    assert observations[0].fields["advertised"] == 8 and observations[0].fields["why"] == ""
+
+
+def test_capacity_without_allocatable_is_healthy_gpus_not_advertised(engine):
+    """kubelet lists capacity 8 and no allocatable nvidia.com/gpu: the scheduler is offered none of them."""
+    observations, found = verdicts(engine, view(counted(None, "8"), gpus(8)))
+    assert set(found) == {"HealthyGpusNotAdvertised"}
+    message = found["HealthyGpusNotAdvertised"].message
+    assert message.startswith("nvidia.com/gpu: 0 allocatable (capacity 8) but 8 healthy GPUs call for 8")
+    assert "no nvidia.com/gpu allocatable at all" in message
+    assert observations[0].fields["capacity"] == 8
+    shared = NodeStatus("n", 0.0, capacity={"nvidia.com/gpu.shared": "32"}, allocatable={"cpu": "96"},
+                        labels={"nvidia.com/gpu.replicas": "4"})
+    _, found = verdicts(engine, view(shared, gpus(8)))
+    assert "0 allocatable (capacity 32) but 8 healthy GPUs call for 32" in found["HealthyGpusNotAdvertised"].message
+
+
+def test_neither_capacity_nor_allocatable_is_still_not_applicable(engine):
+    """A node whose device plugin has not registered yet lists no nvidia.com/gpu at all: no verdict."""
+    observations, found = verdicts(engine, view(counted(None, None), gpus(8)))
+    assert found == {} and observations[0].fields["not_applicable"] is True
+
+
+@pytest.mark.parametrize("quantity, words", [("500m", "'500m' is 0.5, not a whole number"),
+                                              ("7.5", "is 7.5, not a whole number"), ("-1", "negative"),
+                                              ("eight", "not a quantity"), ("1e30", "out of range")])
+def test_allocatable_that_is_no_whole_count_is_said_and_not_judged(engine, quantity, words):
+    """No GPU is called lost (or unadvertised) on a count that is not one; `why` says what it is."""
+    visible, known, problems = eight_with_gpu_3_lost()
+    output = AllocatableCheck({"settle": 0.0}).judge(view(counted(quantity), visible, known, problems))
+    [observation] = output.observations
+    assert engine.evaluate(output.observations) == []
+    assert words in observation.fields["why"] and "not a valid GPU count" in observation.fields["why"]
+    assert observation.fields["over"] is False and observation.fields["under"] is False
+    assert "not judged" in output.summary and "matches" not in output.summary
+    output = AllocatableCheck({"settle": 0.0}).judge(view(counted(None, quantity), gpus(8)))   # capacity alone
+    assert engine.evaluate(output.observations) == [] and words in output.observations[0].fields["why"]
+
+
+def test_a_capacity_that_is_no_count_does_not_stop_allocatable_being_judged(engine):
+    visible, known, problems = eight_with_gpu_3_lost()
+    observations, found = verdicts(engine, view(counted("8", "lots"), visible, known, problems))
+    assert set(found) == {"AdvertisedGpusMissing"}
+    assert observations[0].fields["capacity"] == -1 and "'lots' is not a quantity" in observations[0].fields["why"]
+
+
 # -- time-slicing and MIG ---------------------------------------------------------------------------------
 
 def test_time_slicing_without_a_replicas_label_is_not_judged(engine):
@@ -241,3 +317,22 @@ def test_through_the_agent_allocatable_seven_of_eight_and_back(registry):
     condition = {c.type: c for c in agent.conditions()}["GpuAllocatableMismatch"]
     assert condition.active and condition.reason == "AdvertisedGpusMissing"
     assert "GPU 3 (" in condition.message and "NVML sees 7 GPUs" in condition.message
+
+
+def test_through_the_agent_allocatable_8k_and_a_gpu_lost(registry):
+    """The acceptance case of issue 30: allocatable written `8k`, XID 79 on GPU 3: GpuAllocatableMismatch."""
+    rules = load_rules([builtin_rules_dir()], registry.fields_by_check())
+    clock = Clock(1_764_000_000.0)
+    fake = load_scenario("h100-sxm-8").build(clock=clock)
+    host = fake_host(fake, threaded=False)
+    status = node_status({"metadata": {"name": "h100-sxm-8"},
+                          "status": {"allocatable": {"nvidia.com/gpu": "8k"}, "capacity": {"nvidia.com/gpu": "8k"}}},
+                         clock.now)
+    host.node_status = lambda: status
+    checks = build_checks(registry, ["visibility", "allocatable"], {"allocatable": {"settle": 0}})
+    agent = NodeAgent(host, checks, rules, settings=AgentSettings(start_spread_s=0.0), clock=clock)
+    fake.inject(Fault("xid", 3, {"code": 79}))
+    agent.run(agent.checks)
+    condition = {c.type: c for c in agent.conditions()}["GpuAllocatableMismatch"]
+    assert condition.active and condition.reason == "AdvertisedGpusMissing"
+    assert "8000 allocatable (capacity 8000)" in condition.message and "GPU 3 (" in condition.message

@@ -10,17 +10,25 @@ neither forgets an XID it already read nor reports it twice.
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
 from detector.core.check import COMMON_FIELDS
 from detector.backends.quarantine import kept_at
+from detector.backends.safefile import UnsafeFile, read_text_bounded, write_atomic
 from detector.core.types import GpuRef, Problem, Severity, action_strength
 from detector.rules.model import MESSAGE_LIMIT, Rule, compose_message, finding_of
 
 STATE_VERSION = 1
+# problems.json holds at most one latch per rule and check it judges: 241 pairs for the bundled rules (the
+# rules over a run's status, check failed or timed out, count once per check). A latch is at most about
+# 10 KB as saved: a message of MESSAGE_LIMIT (1,024) characters, 64 GPUs named and its times. All of them
+# held at once, each naming 64 GPUs, would be about 2.3 MB, far beyond any real node
+# (tests/test_state_files_hostile.py builds that file and checks it fits). The limit is small on purpose:
+# parsing JSON can cost 25 times the file's size (a file of empty objects), so a planted file costs the
+# daemon at most about 100 MiB for a moment. clear-result.json holds a subset of the same latches.
+PROBLEMS_LIMIT = 4 << 20
 
 
 @dataclass
@@ -60,14 +68,50 @@ class Latch:
         return d
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "Latch":
-        problem = Problem(rule=d["rule"], check=d["check"], type=d["type"], reason=d["reason"],
-                          message=d["message"], severity=Severity(d["severity"]), action=d["action"],
-                          report="condition", gpus=tuple(GpuRef(**g) for g in d.get("gpus", [])),
-                          time=float(d["time"]))
+    def from_dict(cls, d: Any) -> "Latch":
+        """A latch as saved; ValueError when a field has the wrong shape (a hand-edited or planted file must
+        not put a number where the agent later formats a message)."""
+        if not isinstance(d, dict):
+            raise ValueError(f"a held problem is {type(d).__name__}, not an object")
+        gpus = d.get("gpus", [])
+        if not isinstance(gpus, list):
+            raise ValueError("gpus is not a list")
+        problem = Problem(rule=_text(d, "rule"), check=_text(d, "check"), type=_text(d, "type"),
+                          reason=_text(d, "reason"), message=_text(d, "message"),
+                          severity=Severity(d["severity"]), action=_text(d, "action"), report="condition",
+                          gpus=tuple(_gpu(g) for g in gpus), time=_number(d, "time"))
         v = d.get("verifying")
-        verifying = Verifying(float(v["since"]), bool(v["rebooted"]), int(v.get("rounds", 0))) if v else None
-        return cls(problem, str(d["boot"]), float(d["first"]), float(d["last"]), verifying)
+        if v is not None and not isinstance(v, dict):
+            raise ValueError("verifying is not an object")
+        verifying = (Verifying(_number(v, "since"), bool(v["rebooted"]), int(_number(v, "rounds", 0)))
+                     if v else None)
+        return cls(problem, _text(d, "boot"), _number(d, "first"), _number(d, "last"), verifying)
+
+
+def _text(d: Mapping[str, Any], key: str) -> str:
+    value = d[key]
+    if not isinstance(value, str):
+        raise ValueError(f"{key} is {type(value).__name__}, not a string")
+    return value
+
+
+def _number(d: Mapping[str, Any], key: str, default: float | None = None) -> float:
+    value = d.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+        raise ValueError(f"{key} is {value!r}, not a number")
+    return float(value)
+
+
+def _gpu(g: Any) -> GpuRef:
+    if not isinstance(g, dict):
+        raise ValueError(f"a GPU is {type(g).__name__}, not an object")
+    index = g.get("index")
+    if index is not None and (isinstance(index, bool) or not isinstance(index, int)):
+        raise ValueError(f"GPU index {index!r} is not a whole number")
+    ids = [g.get(k) for k in ("uuid", "pci_bus_id")]
+    if any(x is not None and not isinstance(x, str) for x in ids):
+        raise ValueError("a GPU's uuid or pci_bus_id is not a string")
+    return GpuRef(index, *ids)
 
 
 @dataclass
@@ -211,24 +255,30 @@ class ActiveProblems:
     # -- persistence ----------------------------------------------------------------------------------
 
     def save(self, path: Path) -> None:
-        """Write atomically: a crash mid-write leaves the previous state, never a torn file."""
+        """Write atomically through a fresh temporary name (write_atomic): a crash mid-write leaves the
+        previous state, never a torn file, and a link planted at the name or beside it is never written
+        through."""
         data = {"version": STATE_VERSION, "latches": [
             l.to_dict(self.rules[l.problem.rule].recovery if l.problem.rule in self.rules else "")
             for l in self.latches.values()]}
-        tmp = path.with_suffix(path.suffix + ".tmp")
-        tmp.write_text(json.dumps(data, indent=1))
-        os.replace(tmp, path)
+        write_atomic(path, json.dumps(data, indent=1))
 
     def load(self, path: Path) -> str | None:
-        """Restore held problems; returns a warning (not an exception) when the file is unusable, which is
-        then moved aside so the held problems in it are kept for an operator, never silently dropped."""
+        """Restore held problems; returns a warning (not an exception) when the file is unusable (a link, a
+        FIFO, over PROBLEMS_LIMIT, corrupt, the wrong shape), which is then moved aside so the held problems
+        in it are kept for an operator, never silently dropped. A FIFO is renamed, never opened."""
         try:
-            data = json.loads(path.read_text())
-            if data.get("version") != STATE_VERSION:
-                raise ValueError(f"version {data.get('version')!r}, this gpu-npd reads {STATE_VERSION}")
+            data = json.loads(read_text_bounded(path, PROBLEMS_LIMIT, "problem state"))
+            if not isinstance(data, dict) or data.get("version") != STATE_VERSION:
+                found = data.get("version") if isinstance(data, dict) else None
+                raise ValueError(f"version {found!r}, this gpu-npd reads {STATE_VERSION}")
+            if not isinstance(data.get("latches"), list):
+                raise ValueError("latches is not a list")
             latches = [Latch.from_dict(d) for d in data["latches"]]
         except FileNotFoundError:
             return None
+        except UnsafeFile as e:
+            return f"cannot read problem state: {e}; {kept_at(path)}"
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
             return f"cannot read problem state {path} ({type(e).__name__}: {e}); {kept_at(path)}"
         for latch in latches:

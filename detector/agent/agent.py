@@ -15,9 +15,11 @@ import threading
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
-from detector.agent.active import ActiveProblems, ConditionStatus, Latch
+from detector.agent.active import PROBLEMS_LIMIT, ActiveProblems, ConditionStatus, Latch
+from detector.backends.quarantine import kept_at
+from detector.backends.safefile import read_text_bounded, write_atomic
 from detector.core.check import Check
 from detector.core.gpu_health import APPLICATION_ACTIONS, GpuHealth, carry_since, fuller, gpu_health, gpu_key
 from detector.core.inventory import Inventory
@@ -34,6 +36,10 @@ log = logging.getLogger("gpu_npd.agent")
 PROBLEMS_FILE = "problems.json"
 CLEAR_FILE = "clear-request.json"
 CLEAR_RESULT_FILE = "clear-result.json"      # what the daemon did with the last request, for `gpu-npd clear`
+# A clear request is a time and the condition types named on `gpu-npd clear`'s command line: a few hundred
+# bytes. 64 KiB is a hundred times that; anything bigger was not written by gpu-npd.
+CLEAR_LIMIT = 64 << 10
+CLEAR_RESULT_LIMIT = PROBLEMS_LIMIT          # the latches a clear released or left: a subset of problems.json
 
 
 class AgentSink:
@@ -107,6 +113,7 @@ class NodeAgent:
         self._lock = threading.Lock()          # the schedule
         self._judging = threading.Lock()       # what runs concluded: held problems, sinks
         self.warnings: list[str] = []
+        self._refused_clear: tuple[int, int] | None = None   # the unusable clear request last warned of
         self._restore()
 
     # -- scheduling -----------------------------------------------------------------------------
@@ -357,21 +364,29 @@ class NodeAgent:
                     sink.conditions(statuses)
 
     def _take_clear_request(self) -> bool:
-        """`gpu-npd clear` leaves a request file in the state directory; take it once."""
+        """`gpu-npd clear` leaves a request file in the state directory; take it once. One that cannot be
+        read (a link, a FIFO, over CLEAR_LIMIT, not a request) is warned of once and removed, or moved
+        aside where it cannot be removed (a directory); it never stops the sweep."""
         if self.settings.state_dir is None:
             return False
         path = self.settings.state_dir / CLEAR_FILE
         try:
-            request = json.loads(path.read_text())
-            path.unlink()
+            request = read_json(path, CLEAR_LIMIT, "clear request")
+            types, when = clear_request_of(request, self.clock())
         except FileNotFoundError:
             return False
         except (OSError, ValueError) as e:
-            log.warning("ignoring unreadable clear request %s: %s", path, e)
-            path.unlink(missing_ok=True)
+            self._discard_clear_request(path, e)
             return False
-        types = set(request["types"]) if request.get("types") else None
-        result = self.active.clear(types, float(request.get("time", self.clock())))
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            pass
+        except OSError as e:            # taken only once it is gone: else it would clear at every sweep
+            self._discard_clear_request(path, OSError(e.errno, f"cannot remove {path}: {e.strerror}"))
+            if os.path.lexists(path):
+                return False
+        result = self.active.clear(types, when)
         log.info("operator clear of %s: cleared %s; left %s (live: they end when the fault does)",
                  ", ".join(sorted(types)) if types else "all held conditions",
                  ", ".join(l.problem.rule for l in result.cleared) or "nothing",
@@ -381,6 +396,25 @@ class NodeAgent:
         except OSError as e:
             log.warning("cannot write the clear result in %s: %s", self.settings.state_dir, e)
         return bool(result)
+
+    def _discard_clear_request(self, path: Path, error: Exception) -> None:
+        """Remove an unusable request (unlink never opens it, so a FIFO is safe) or move it aside; the
+        warning is given once per thing found there, not at every sweep while it cannot be removed."""
+        try:
+            path.unlink()
+            where = "removed it"
+        except FileNotFoundError:
+            return
+        except OSError:
+            where = kept_at(path)
+        try:
+            identity = os.stat(path, follow_symlinks=False)
+            key: tuple[int, int] | None = (identity.st_dev, identity.st_ino)
+        except OSError:
+            key = None                           # gone (removed or moved aside): warn again for a new one
+        if key is None or key != self._refused_clear:
+            log.warning("ignoring the clear request: %s; %s", error, where)
+        self._refused_clear = key
 
     def _restore(self) -> None:
         if self.settings.state_dir is None:
@@ -407,11 +441,29 @@ def write_clear_request(state_dir: Path, types: Sequence[str], now: float) -> Pa
     return path
 
 
+def clear_request_of(request: Any, now: float) -> tuple[set[str] | None, float]:
+    """The condition types a clear request names (None: all) and its time; ValueError for another shape."""
+    if not isinstance(request, dict):
+        raise ValueError(f"a clear request is a JSON object, not {type(request).__name__}")
+    types, when = request.get("types"), request.get("time", now)
+    if types is not None and not (isinstance(types, list) and all(isinstance(t, str) for t in types)):
+        raise ValueError("its types are not a list of condition types")
+    if isinstance(when, bool) or not isinstance(when, (int, float)) or when != when:
+        raise ValueError(f"its time {when!r} is not a number")
+    return (set(types) if types else None), float(when)
+
+
+def read_json(path: Path, limit: int, what: str) -> Any:
+    """A state file's JSON: a regular file only, at most `limit` bytes (read_text_bounded), so a FIFO, a
+    link or a huge file planted in the state directory is refused at once. FileNotFoundError when absent;
+    UnsafeFile (an OSError, one line for a person) when refused; ValueError when it is not JSON."""
+    return json.loads(read_text_bounded(path, limit, what))
+
+
 def write_json(path: Path, data: dict) -> None:
-    """Atomically: a reader never sees half a file."""
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(data, indent=1))
-    os.replace(tmp, path)
+    """Atomically, through a fresh temporary name (write_atomic): a reader never sees half a file, and a
+    link planted at the name or at a guessable temporary name is never written through."""
+    write_atomic(path, json.dumps(data, indent=1))
 
 
 def recovery_event(latch: Latch, now: float, uptime_s: float | None = None) -> Problem:

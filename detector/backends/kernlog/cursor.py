@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import tempfile
 from pathlib import Path
 from typing import Any, Literal, get_args
 
 from detector.backends.quarantine import kept_at
+from detector.backends.safefile import UnsafeFile, read_text_bounded, write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -24,9 +23,15 @@ def checked_start(start: str) -> Start:
     return start  # type: ignore[return-value]
 
 
+# A cursor is a boot id and a sequence number (kmsg), a journal cursor string (journald) or a file's
+# identity and offset (a log file): under 1 KiB. 64 KiB is far beyond any of them, and small enough to read.
+CURSOR_LIMIT = 64 << 10
+
+
 class CursorStore:
-    """A small JSON document in one file, replaced atomically (temp file + os.replace), so a crash leaves
-    either the old cursor or the new one. `path=None` keeps it in memory only (tests, fake nodes).
+    """A small JSON document in one file, replaced atomically through a fresh temporary name
+    (write_atomic), so a crash leaves either the old cursor or the new one and a planted link is never
+    written through. `path=None` keeps it in memory only (tests, fake nodes).
 
     Never raises: an unreadable or corrupt file reads as "no cursor" (with a warning), and a failed save is
     logged and reported by the return value, since losing a cursor costs at most duplicates or a gap.
@@ -42,10 +47,16 @@ class CursorStore:
         if self.path is None:
             return dict(self._memory) if self._memory is not None else None
         try:
-            text = self.path.read_text(encoding="utf-8")
+            text = read_text_bounded(self.path, CURSOR_LIMIT, "cursor file")
         except FileNotFoundError:
             return None
-        except (OSError, UnicodeDecodeError) as e:
+        except UnsafeFile as e:        # a link, a FIFO (never opened), a directory, a huge file
+            log.warning("%s; %s; starting without it", e, kept_at(self.path))
+            return None
+        except UnicodeDecodeError as e:
+            log.warning("cursor file %s is corrupt (%s); %s; starting without it", self.path, e, kept_at(self.path))
+            return None
+        except OSError as e:
             log.warning("cannot read cursor file %s (%s); starting without it", self.path, e)
             return None
         try:
@@ -68,25 +79,15 @@ class CursorStore:
             self._memory = dict(state)
             self._last_saved = dict(state)
             return True
-        tmp: str | None = None
         try:
+            text = json.dumps(state, separators=(",", ":"))
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".tmp", dir=self.path.parent)
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                json.dump(state, f, separators=(",", ":"))
-            os.replace(tmp, self.path)
-            tmp = None
+            write_atomic(self.path, text)
         except (OSError, TypeError, ValueError) as e:
             if not self._save_failing:     # once per failing spell, not once per read
                 log.warning("cannot save cursor to %s: %s", self.path, e)
             self._save_failing = True
             return False
-        finally:
-            if tmp is not None:
-                try:
-                    os.unlink(tmp)
-                except OSError:
-                    pass
         self._save_failing = False
         self._last_saved = dict(state)
         return True

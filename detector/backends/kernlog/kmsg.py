@@ -215,6 +215,7 @@ class KmsgStats:
     lost_records: int = 0   # records overwritten before they could be read (sequence gaps)
     errors: int = 0         # other device errors
     reboots: int = 0        # the device moved on to a new boot (a fake node only: a real reboot ends us)
+    cursor_resets: int = 0  # a saved cursor beyond the kernel's newest record was dropped (the ring read whole)
 
 
 class KmsgReader:
@@ -249,6 +250,8 @@ class KmsgReader:
                 and (saved_seq is None or (isinstance(saved_seq, int) and not isinstance(saved_seq, bool)))):
             self.resumed = True
             self._last_seq = saved_seq
+            if saved_seq is not None:
+                self._check_cursor(saved_seq)
             self._seek(device.seek_beginning)
         elif start == "beginning":
             self._seek(device.seek_beginning)
@@ -270,6 +273,16 @@ class KmsgReader:
         if not self._seek(self.device.seek_beginning):
             self._seek(self.device.seek_end)
             return
+        drained, last = self._drain()
+        if not drained:
+            self._seek(self.device.seek_end)
+            return
+        self._last_seq = last
+        self._save()   # seq None here means "the buffer was empty: every record of this boot is new"
+
+    def _drain(self) -> tuple[bool, int | None]:
+        """Read from the current position to the end: (whether the end was reached without a device error,
+        the newest seq read). Each record read counts as skipped."""
         last: int | None = None
         for _ in range(_DRAIN_LIMIT):
             try:
@@ -281,14 +294,32 @@ class KmsgReader:
             except OSError as e:
                 self.stats.errors += 1
                 log.warning("cannot read the kernel log: %s", e)
-                self._seek(self.device.seek_end)
-                return
+                return False, last
             seq = _record_seq(raw)
             if seq is not None:
                 last = seq
                 self.stats.skipped += 1
-        self._last_seq = last
-        self._save()   # seq None here means "the buffer was empty: every record of this boot is new"
+        return True, last
+
+    def _check_cursor(self, saved_seq: int) -> None:
+        """A cursor of this boot says every record up to `saved_seq` was dealt with; one beyond the newest
+        record the kernel has (a boot id mixed up, a planted or hand-edited file) would skip every record
+        of the boot, an XID 79 already in the ring among them. Then it is dropped and the whole ring read
+        from this boot's start. Sequence numbers only grow within a boot, so a real cursor is never beyond
+        the newest record."""
+        if not self._seek(self.device.seek_beginning):
+            return
+        skipped = self.stats.skipped
+        drained, newest = self._drain()
+        self.stats.skipped = skipped          # looking is not skipping
+        if drained and (newest is None or saved_seq > newest):
+            have = f"its newest is {newest}" if newest is not None else "it has no record yet"
+            log.warning("the kernel-log cursor (boot %s, seq %d) is beyond what the kernel has (%s): it is not "
+                        "this boot's; reading the kernel log from this boot's first record", self.boot_id,
+                        saved_seq, have)
+            self.resumed = False
+            self._last_seq = None
+            self.stats.cursor_resets += 1
 
     def read_available(self, max_records: int | None = None) -> list[LogLine]:
         """Every record available now (at most `max_records`, else at most `batch_limit`). Never raises."""

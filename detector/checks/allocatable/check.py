@@ -122,5 +122,7 @@ def _only(view: NodeView, fields: dict[str, Any], summary: str) -> CheckOutput:
 
 
 def _summary(v: Verdict) -> str:
+    if not v.judged:
+        return f"{v.resource}: not judged: {v.note}"
     state = "MORE than NVML sees" if v.over else "fewer than healthy" if v.under else "matches"
     return f"{v.resource}: {v.advertised} advertised, NVML sees {v.expected_max} (healthy {v.expected_min}): {state}"

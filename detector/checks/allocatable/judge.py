@@ -10,7 +10,10 @@ A GPU the device plugin stopped advertising because it failed or degraded is not
 plugin did its job (it marks a GPU unhealthy on any critical XID but 13, 31, 43, 45 and 68:
 k8s-device-plugin internal/rm/health.go). `allocatable` is what the scheduler uses; `capacity` keeps
 counting an unhealthy GPU by design ("Capacity: total; Allocatable: healthy", k8s-device-plugin #58), so
-it is reported, never judged.
+it is reported, never judged, except that capacity without any allocatable entry means kubelet offers the
+scheduler none of the GPUs (allocatable 0). Counts are Kubernetes quantities (`8`, `8k`, `1e3`,
+`8000m`); one that is no whole number (`500m`) is not a GPU count: nothing is judged on it, and `why`
+says so.
 
 A GPU "NVML sees" is one it enumerates and answers for (its UUID could be read): a GPU that fell off the
 bus is still counted by nvmlDeviceGetCount but answers GPU_IS_LOST, and a pod sent to it fails.
@@ -60,13 +63,14 @@ class Verdict:
     under: bool                       # fewer advertised than healthy GPUs: warning
     differ: str                       # the GPUs that differ, named
     note: str = ""                    # what could not be judged, and why
+    judged: bool = True               # False: the counts could not be read, so nothing was compared
 
 
 def device_plugin(ad: Advertising, node: Gpus) -> Verdict:
     advertised = ad.allocatable or 0
     most, least = len(node.seen) * ad.replicas, len(node.healthy) * ad.replicas
     over = ad.provable_over and advertised > most
-    notes = []
+    notes = [n for n in (ad.unreadable, *ad.notes) if n]
     if over and not ad.replicas_known and node.seen and advertised % len(node.seen) == 0:
         # Whole multiples of the GPUs NVML sees, and no GFD label or setting saying how the GPUs are
         # shared: time-slicing without GPU Feature Discovery looks exactly like this (gpu-operator #684).
@@ -82,13 +86,16 @@ def device_plugin(ad: Advertising, node: Gpus) -> Verdict:
     under = ad.provable_under and advertised < least
     if over:
         differ = _lost(node)
+    elif under and ad.allocatable_missing:
+        differ = (f"capacity {ad.capacity} but no {ad.resource} allocatable at all: the scheduler is offered "
+                  f"none of the {len(node.healthy)} healthy GPUs")
     elif under:
         differ = (f"{len(node.healthy)} healthy GPUs, {_times(advertised, ad.replicas)} advertised; which ones "
                   "the device plugin dropped is not in the node object")
     else:
         differ = ""
     return Verdict("device-plugin", ad.resource, advertised, ad.capacity, most, least, over, under, differ,
-                   "; ".join(notes))
+                   "; ".join(notes), judged=not ad.unreadable)
 
 
 def dra(devices: Sequence[DraDevice], node: Gpus) -> Verdict:

@@ -5,27 +5,36 @@ is automation rebooting this node again and again for a problem that comes back 
 Does one GPU keep failing, boot after boot (a flaky GPU to send back)? GPUs are kept by serial, else by
 UUID, so a GPU is followed even when it moves to another slot or the node's bus numbering changes.
 
-Bounded: what is older than `retention_s` ages out, and at most MAX_BOOTS boots, MAX_GPUS GPUs and
-MAX_INCIDENTS incidents per GPU are kept (the newest). Writes happen only when something new is learned
-(a boot, a problem in a boot, an incident), atomically. A file that cannot be read is moved aside for a
-post-mortem, reported once, and the history starts afresh: it never stops the daemon.
+Bounded: what is older than `retention_s` ages out, and at most MAX_BOOTS boots (MAX_PROBLEMS problems
+each), MAX_GPUS GPUs and MAX_INCIDENTS incidents per GPU are kept (the newest), so the file has a size
+limit it never legitimately reaches (HISTORY_LIMIT). Writes happen only when something new is learned
+(a boot, a problem in a boot, an incident), atomically through a fresh temporary name. A file that cannot
+be read (a link, a FIFO, too big, corrupt, the wrong shape) is moved aside for a post-mortem, reported
+once, and the history starts afresh: it never stops the daemon.
 """
 
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from detector.backends.quarantine import kept_at
+from detector.backends.safefile import UnsafeFile, read_text_bounded, write_atomic
 
 HISTORY_FILE = "history.json"
 VERSION = 1
 MAX_BOOTS = 200
 MAX_GPUS = 64
 MAX_INCIDENTS = 100
+MAX_PROBLEMS = 32            # problem keys (type/reason) kept per boot: more in one boot adds nothing to a loop
+# The file at its fullest (MAX_BOOTS boots of MAX_PROBLEMS keys each, MAX_GPUS GPUs of MAX_INCIDENTS
+# incidents each) is about 1.7 MB as saved (tests/test_state_files_hostile.py builds it and checks it fits).
+# The limit is over twice that, and small on purpose: parsing JSON can cost 25 times the file's size (a
+# file of empty objects), so a planted file costs the daemon at most about 100 MiB for a moment, not the
+# 1.2 GB a 100 MB one did.
+HISTORY_LIMIT = 4 << 20
 
 
 @dataclass
@@ -94,7 +103,7 @@ class History:
 
     def note_problem(self, boot: str, key: str, now: float) -> None:
         record = self.note_boot(boot, now)
-        if key not in record.problems:
+        if key not in record.problems and len(record.problems) < MAX_PROBLEMS:
             record.problems[key] = now
             self._dirty = True
 
@@ -152,25 +161,27 @@ class History:
     # -- persistence ----------------------------------------------------------------------------------
 
     def load(self) -> str | None:
-        """Read the file; a warning (never an exception) when it is unusable, after moving it aside."""
+        """Read the file; a warning (never an exception) when it is unusable (a link, a FIFO, over
+        HISTORY_LIMIT, corrupt, the wrong shape), after moving it aside (a FIFO is renamed, never opened)."""
         if self.path is None:
             return None
         try:
-            self.boots, self.gpus = _parse(json.loads(self.path.read_text()))
+            self.boots, self.gpus = _parse(json.loads(read_text_bounded(self.path, HISTORY_LIMIT, "GPU history")))
         except FileNotFoundError:
             return None
+        except UnsafeFile as e:
+            return f"cannot read the GPU history: {e}; {kept_at(self.path)}; starting a new history"
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
             return f"cannot read the GPU history {self.path} ({type(e).__name__}: {e}); {kept_at(self.path)}; " \
                    "starting a new history"
         return None
 
     def save(self) -> None:
-        """Write when something was learned; atomically, so a crash leaves the previous file."""
+        """Write when something was learned; atomically through a fresh temporary name (write_atomic), so a
+        crash leaves the previous file and a link planted at the name or beside it is never written through."""
         if self.path is None or not self._dirty:
             return
-        tmp = self.path.with_suffix(self.path.suffix + ".tmp")
-        tmp.write_text(json.dumps(self.to_dict(), indent=1))
-        os.replace(tmp, self.path)
+        write_atomic(self.path, json.dumps(self.to_dict(), indent=1))
         self._dirty = False
 
     def to_dict(self) -> dict[str, Any]:
@@ -181,29 +192,70 @@ class History:
 
 def read_history(state_dir: Path) -> tuple[History, str | None]:
     """For `gpu-npd history`: the history in a state directory, and what is wrong when it is unreadable.
-    Reading never moves the file aside: that is the daemon's to do."""
+    Never blocks (a FIFO is refused at once) and never moves the file aside: that is the daemon's to do."""
     history = History(None)
     path = state_dir / HISTORY_FILE
     try:
-        history.boots, history.gpus = _parse(json.loads(path.read_text()))
+        history.boots, history.gpus = _parse(json.loads(read_text_bounded(path, HISTORY_LIMIT, "the GPU history")))
     except FileNotFoundError:
         pass
+    except UnsafeFile as e:
+        return History(None), f"cannot read {e}"
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         return History(None), f"cannot read {path}: {type(e).__name__}: {e}"
     return history, None
 
 
 def _parse(data: Any) -> tuple[list[BootRecord], dict[str, GpuRecord]]:
+    """The history as saved; ValueError naming the first field of the wrong shape."""
     if not isinstance(data, dict) or data.get("version") != VERSION:
         found = data.get("version") if isinstance(data, dict) else None
         raise ValueError(f"version {found!r}, this gpu-npd reads {VERSION}")
-    boots = [BootRecord(str(b["boot"]), float(b["first_seen"]),
-                        {str(k): float(v) for k, v in b.get("problems", {}).items()}, str(b.get("maintenance", "")))
-             for b in data["boots"]]
+    boots = []
+    for b in _list(data, "boots"):
+        problems = _object(b).get("problems", {})
+        if not isinstance(problems, dict):
+            raise ValueError("a boot's problems are not an object")
+        boots.append(BootRecord(_text(b, "boot"), _number(b, "first_seen"),
+                                {str(k): _number(problems, k) for k in problems}, _text(b, "maintenance", "")))
     gpus: dict[str, GpuRecord] = {}
-    for g in data["gpus"]:
-        record = GpuRecord(str(g["key"]), g.get("serial"), g.get("uuid"), g.get("pci_bus_id"), g.get("index"),
-                           [Incident(float(i["time"]), str(i["boot"]), str(i["reason"]), str(i["action"]),
-                                     str(i.get("message", ""))) for i in g["incidents"]])
+    for g in _list(data, "gpus"):
+        index = _object(g).get("index")
+        if index is not None and (isinstance(index, bool) or not isinstance(index, int)):
+            raise ValueError(f"GPU index {index!r} is not a whole number")
+        record = GpuRecord(_text(g, "key"), _text(g, "serial", None), _text(g, "uuid", None),
+                           _text(g, "pci_bus_id", None), index,
+                           [Incident(_number(i, "time"), _text(i, "boot"), _text(i, "reason"), _text(i, "action"),
+                                     _text(i, "message", "")) for i in map(_object, _list(g, "incidents"))])
         gpus[record.key] = record
     return boots, gpus
+
+
+_REQUIRED: Any = object()
+
+
+def _object(value: Any) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise ValueError(f"a record is {type(value).__name__}, not an object")
+    return value
+
+
+def _list(d: Any, key: str) -> list[Any]:
+    value = _object(d)[key]
+    if not isinstance(value, list):
+        raise ValueError(f"{key} is {type(value).__name__}, not a list")
+    return value
+
+
+def _text(d: Any, key: str, default: Any = _REQUIRED) -> Any:
+    value = _object(d)[key] if default is _REQUIRED else _object(d).get(key, default)
+    if value is not default and not isinstance(value, str):
+        raise ValueError(f"{key} is {value!r}, not a string")
+    return value
+
+
+def _number(d: Any, key: str) -> float:
+    value = _object(d)[key]
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+        raise ValueError(f"{key} is {value!r}, not a number")
+    return float(value)

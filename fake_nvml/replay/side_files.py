@@ -6,15 +6,22 @@
   entries inside a listed directory (/dev/nvidia-caps/) are not /dev's own.
 - nvidia-smi-nvlink.txt: `nvidia-smi nvlink -s`: per GPU `GPU 0: NAME (UUID: GPU-...)`, then per link
   `Link 3: 26.562 GB/s` (active) or `Link 3: <inactive>`. Empty: NVML answered NotSupported for every link.
+
+Each is read only as a regular file directly in the capture's folder, never through a link (which could
+point anywhere on the machine reading the capture), and at most limits.MAX_SIDE_FILE_BYTES of it.
 """
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from detector.backends.safefile import UnsafeFile, read_bounded
 from detector.backends.system import parse_driver_version, parse_proc_modules
+from fake_nvml.replay.limits import MAX_SIDE_FILE_BYTES
+from fake_nvml.replay.raw import SnapshotError
 
 MODULES, VERSION, DEV, NVLINK = "proc-modules.txt", "proc-driver-nvidia-version.txt", "dev-nvidia.txt", "nvidia-smi-nvlink.txt"
 _NVLINK_GPU = re.compile(r"^GPU (\d+): .*?(?:\(UUID: (GPU-[0-9a-fA-F-]+)\))?\s*$")
@@ -47,9 +54,10 @@ class SideFiles:
 
 
 def read_side_files(folder: Path) -> SideFiles:
+    """The side files `folder` holds; SnapshotError when one is there but not a regular file of at most
+    MAX_SIDE_FILE_BYTES (a link, a FIFO, a device, a folder): refused, never followed or read."""
     def text(name: str) -> str | None:
-        path = folder / name
-        return path.read_text(errors="replace") if path.is_file() else None
+        return read_side_file(folder, name)
 
     modules, version, dev, nvlink = text(MODULES), text(VERSION), text(DEV), text(NVLINK)
     kernel, flavor = parse_driver_version(version) if version is not None else (None, None)
@@ -59,6 +67,22 @@ def read_side_files(folder: Path) -> SideFiles:
                      nvlink=parse_nvlink_status(nvlink) if nvlink is not None else None,
                      read=tuple(n for n, t in ((MODULES, modules), (VERSION, version), (DEV, dev), (NVLINK, nvlink))
                                 if t is not None))
+
+
+def read_side_file(folder: Path, name: str, limit: int = MAX_SIDE_FILE_BYTES) -> str | None:
+    """`name`'s text in `folder`, None when absent. `name` is one path component, and the file is opened
+    without following a link, so what is read lies inside the folder."""
+    if name in ("", ".", "..") or os.sep in name or (os.altsep and os.altsep in name):
+        raise ValueError(f"side file name {name!r} is not a plain file name")
+    path = folder / name
+    if not os.path.lexists(path):
+        return None
+    try:
+        return read_bounded(path, limit, "replay side file").decode("utf-8", "replace")
+    except UnsafeFile as e:
+        raise SnapshotError(f"{e}; a capture's side files must be regular files in its folder") from None
+    except OSError as e:
+        raise SnapshotError(f"{path}: cannot read it: {e.strerror or e}") from None
 
 
 def parse_dev_listing(text: str) -> frozenset[str]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 
+from fake_nvml.replay.limits import MAX_DEPTH
 from fake_nvml.replay.raw import RawLog, SnapshotError
 from fake_nvml.replay.tree import Node, norm
 
@@ -63,9 +64,10 @@ def parse_text(text: str, source: str) -> RawLog:
             continue
         if current is None:
             loose.append((indent, node))
-            _attach(stack, indent, node, None)
-            continue
         _attach(stack, indent, node, current)
+        if len(stack) > MAX_DEPTH:            # the tree's walks recurse: refuse what no nvidia-smi prints
+            raise SnapshotError(f"{source}: lines indented more than {MAX_DEPTH} levels deep (nvidia-smi -q nests "
+                                "fewer than 10); not nvidia-smi -q output")
     if not gpus and loose:
         gpus = _split_fragment(loose)
     if not saw_banner and not any(g.value for g in gpus) and not _looks_like_gpu_sections(gpus):

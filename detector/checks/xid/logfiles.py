@@ -4,6 +4,10 @@
 log rotated into pieces, oldest first (`kern.log.3.gz`, `kern.log.2.gz`, `kern.log.1`, `kern.log`;
 dated pieces `kern.log-20251001.gz` by date), so boots and times run forward. Compressed pieces
 (gzip, bzip2, xz) are recognised by their first bytes, not their names.
+
+Only regular files are read (stdin aside): a FIFO or a device named as a log is refused, never waited on
+or read without end. A file is read as a stream, and scan.py holds each line to the live reader's cap,
+so a huge log, or a small compressed one that inflates without end, costs time and never memory.
 """
 
 from __future__ import annotations
@@ -12,7 +16,9 @@ import bz2
 import glob
 import gzip
 import lzma
+import os
 import re
+import stat
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,7 +49,7 @@ class SavedLog:
         """The log's bytes, decompressed when it is compressed."""
         if self.path is None:
             return _Peekable(sys.stdin.buffer)
-        raw = self.path.open("rb")
+        raw = _open_regular(self.path)
         head = raw.read(6)
         raw.seek(0)
         for magic, opener in _MAGIC:
@@ -63,6 +69,8 @@ def saved_logs(spec: str) -> list[SavedLog]:
             raise LogNotFound(f"{spec}: the directory holds no files")
     elif path.is_file():
         return [SavedLog(spec, path)]
+    elif path.exists():
+        raise LogNotFound(f"{spec}: {_not_regular(path.stat().st_mode)}; name a saved kernel log, or - for stdin")
     elif glob.has_magic(spec):
         files = [Path(p) for p in glob.glob(spec) if Path(p).is_file()]
         if not files:
@@ -70,6 +78,26 @@ def saved_logs(spec: str) -> list[SavedLog]:
     else:
         raise LogNotFound(f"{spec}: no such file or directory")
     return [SavedLog(str(p), p) for p in sorted(files, key=rotation_key)]
+
+
+def _open_regular(path: Path) -> BinaryIO:
+    """Open without blocking (a FIFO would wait for a writer) and refuse what is not a regular file: it may
+    have been swapped since saved_logs looked. The user's own link is followed: they named it."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(f"{path}: {_not_regular(os.fstat(fd).st_mode)}")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _not_regular(mode: int) -> str:
+    kind = ("a FIFO" if stat.S_ISFIFO(mode) else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
+            else "a socket" if stat.S_ISSOCK(mode) else "not a file")
+    return f"{kind}, not a regular file"
 
 
 def rotation_key(path: Path) -> tuple:

@@ -5,6 +5,12 @@ chunks and finds the few candidate lines (`NVRM`, `SXid (`, boot banners, journa
 journal JSON messages stored as byte arrays) in one pass with Hyperscan, a SIMD multi-pattern
 matcher; where Hyperscan cannot run (an unsupported CPU or platform) C-level `bytes.find` passes do
 the same, more slowly. Only candidate lines are decoded and parsed; line numbers come from `bytes.count`.
+
+A line is held to the live reader's cap (kernlog's MAX_LINE, 1 MiB, where the kernel's own records are
+under 1 KiB): a longer one is cut there and the rest of it skipped up to its newline, read a chunk at a
+time, so a log of one endless line (binary junk, gzipped zeros) costs time, never memory. It is cut, not
+dropped, because a driver's line says XID, bus id and code at its start; and not split into pieces, so
+no piece is taken for a line the kernel wrote and the line numbers after it stay true.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import BinaryIO, Callable
 
+from detector.backends.kernlog.logfile import MAX_LINE
 from detector.checks.xid.parser import Parsed, parse_line
 
 # Every XID, fallen-off-the-bus and UUID line holds NVRM; every NVSwitch line `SXid (`; boots start
@@ -20,6 +27,7 @@ from detector.checks.xid.parser import Parsed, parse_line
 NEEDLES = (b"NVRM", b"SXid (", b"Linux version ", b"Command line: ", b"-- Boot ", b"-- Reboot --",
            b'"MESSAGE" : [', b'"MESSAGE": [', b'"MESSAGE":[')
 CHUNK = 1024 * 1024              # big enough that per-chunk overhead vanishes; small for RSS
+NEWLINE = ord("\n")
 
 OnLine = Callable[[int, Parsed, str], None]          # (1-based line number, parsed, raw line)
 Finder = Callable[[bytearray, int], list[int]]       # (buffer, end) -> sorted starts of candidate lines
@@ -31,11 +39,13 @@ class ScanStats:
     lines: int = 0
     candidates: int = 0
     parsed: int = 0
+    long_lines: int = 0              # lines cut at max_line
 
 
 def scan_stream(stream: BinaryIO, on_line: OnLine, year: int | None = None, chunk_size: int = CHUNK,
-                finder: Finder | None = None) -> ScanStats:
-    """Call `on_line` for every XID/SXid/UUID/boot line, in input order. Memory: one chunk plus one line."""
+                finder: Finder | None = None, max_line: int = MAX_LINE) -> ScanStats:
+    """Call `on_line` for every XID/SXid/UUID/boot line, in input order. Memory: one chunk and one line,
+    each at most max(chunk_size, max_line) bytes: a line that fills that much is cut a byte short of it."""
     find = finder or best_finder()
     stats = ScanStats()
     buf = bytearray(chunk_size)
@@ -43,11 +53,21 @@ def scan_stream(stream: BinaryIO, on_line: OnLine, year: int | None = None, chun
     held = 0                               # bytes of an unfinished line kept at the front of buf
     lines_before = 0                       # newlines in all buffers already finished
     while True:
-        if held == len(buf):               # one enormous line: make room rather than lose it
+        if held == len(buf) < max_line:    # a long line: make room for it, up to max_line
             view.release()
-            buf.extend(bytes(len(buf)))
+            buf.extend(bytes(min(len(buf), max_line - len(buf))))
             view = memoryview(buf)
-        got = stream.readinto(view[held:]) if hasattr(stream, "readinto") else _read_into(stream, view, held)
+        elif held == len(buf):             # longer still: keep its start as the line, skip the rest
+            buf[held - 1] = NEWLINE
+            stats.bytes += held
+            stats.long_lines += 1
+            lines_before = _scan_buffer(buf, held, lines_before, on_line, year, stats, find)
+            rest = _skip_rest_of_line(stream, buf, view, stats)
+            if rest is None:
+                break
+            held = rest
+            continue
+        got = _fill(stream, view, held)
         filled = held + (got or 0)
         final = not got
         if final:
@@ -68,6 +88,28 @@ def scan_stream(stream: BinaryIO, on_line: OnLine, year: int | None = None, chun
             break
     stats.lines = lines_before
     return stats
+
+
+def _fill(stream: BinaryIO, view: memoryview, start: int) -> int:
+    """Read into view[start:]; how many bytes came (0 at the end)."""
+    if hasattr(stream, "readinto"):
+        return stream.readinto(view[start:]) or 0
+    return _read_into(stream, view, start)
+
+
+def _skip_rest_of_line(stream: BinaryIO, buf: bytearray, view: memoryview, stats: ScanStats) -> int | None:
+    """Read past the rest of a cut line, a buffer at a time: what follows its newline is moved to the front
+    of `buf` and its length returned; None when the stream ends first."""
+    while got := _fill(stream, view, 0):
+        newline = buf.find(b"\n", 0, got)
+        if newline < 0:
+            stats.bytes += got
+            continue
+        stats.bytes += newline + 1
+        rest = got - newline - 1
+        buf[:rest] = buf[newline + 1:got]
+        return rest
+    return None
 
 
 def _read_into(stream: BinaryIO, view: memoryview, start: int) -> int:

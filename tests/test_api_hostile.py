@@ -307,6 +307,7 @@ def test_a_node_with_junk_conditions_is_still_reported(emulator, hostile, tmp_pa
 
 
 def test_an_endless_watch_line_does_not_stop_reporting(emulator, hostile, tmp_path, caplog) -> None:
+    caplog.set_level(logging.INFO, "gpu_npd")
     hostile.when(node_watch, endless_line(for_s=30.0))
     local = start_daemon(emulator, hostile, tmp_path)
     try:
@@ -380,6 +381,7 @@ def test_a_crashing_loop_is_started_again_and_then_reported_failing() -> None:
 def test_a_failing_loop_makes_the_daemon_unhealthy(emulator, hostile, tmp_path) -> None:
     local = start_daemon(emulator, hostile, tmp_path)
     try:
+        assert local.wait_for(lambda: len(local.daemon.node_watch.kept) == 1)
         assert local.daemon.health() == (True, "ok")
         local.daemon.node_watch.kept[0].crashes = FAILING_AFTER
         ok, text = local.daemon.health()

@@ -34,3 +34,9 @@ def setup_logging(fmt: str, level: str, node: str) -> None:
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
     root.propagate = False
+    # urllib3 logs a malformed answer (headers cut short, a bad header line) as a warning with a traceback,
+    # which Python's last-resort handler would print raw to stderr. gpu-npd says every failed request
+    # itself (kube/health.py, one line an outage), so urllib3's own lines are not wanted.
+    quiet = logging.getLogger("urllib3")
+    quiet.handlers[:] = [logging.NullHandler()]
+    quiet.propagate = False

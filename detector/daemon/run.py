@@ -54,9 +54,9 @@ ALLOCATABLE_CHECK = "allocatable"   # compares the node's advertised GPUs with N
 STALL_S = 120.0          # /healthz fails when the scheduler has not come round for this long
 SHUTDOWN_WAIT_S = 2.0    # on SIGTERM, how long the loops get to finish before they are abandoned
 FINAL_SEND_S = 4.0       # ... and the last send; the DaemonSet's grace period is 10 s
-# /readyz fails when a report has waited this long past its time: a request that hangs, or a sender that
-# stopped turning, is not "reporting" even before the API server has refused anything. Longer than one
-# request's whole deadline (kube/api.py REQUEST_DEADLINE_S, 30 s) plus the backoff's first waits.
+# /readyz fails when a send has been under way this long: requests that hang one after another, or a
+# sender stuck, are not "reporting" even before the API server has refused anything. Longer than one
+# request's whole deadline (kube/api.py REQUEST_DEADLINE_S, 30 s), shorter than two.
 OVERDUE_S = 45.0
 
 @dataclass
@@ -122,6 +122,7 @@ class Daemon:
         self.agent = NodeAgent(host, checks, ruleset, sinks, agent_settings, clock, rng)
         self._kick = threading.Event()
         self._node_burst = Debounce()
+        self._send_began: float | None = None        # monotonic time of the flush under way, if any
         self._kept: list[Kept] = []
         self._xid_done = threading.Event()
         self._last_loop = time.monotonic()
@@ -147,10 +148,9 @@ class Daemon:
         if not alive:
             return alive, text
         state = self.api_health.state() if self.api_health else ReportingState(True, "ok")
-        if state.reporting and self.reporter is not None and self.reporter.started:
-            due = self.reporter.due_at()
-            if due is not None and self.clock() - due > OVERDUE_S:
-                return False, f"not reporting: a report is {self.clock() - due:.0f}s overdue"
+        began = self._send_began
+        if state.reporting and began is not None and time.monotonic() - began > OVERDUE_S:
+            return False, f"not reporting: a send to the API server has not finished in {time.monotonic() - began:.0f}s"
         return state.reporting, state.detail
 
     def run(self) -> int:
@@ -279,6 +279,7 @@ class Daemon:
             if wait > 0:
                 self.reporter.wake.wait(wait)
             self.reporter.wake.clear()
+            self._send_began = time.monotonic()
             try:
                 self.reporter.flush()
             except Exception as e:  # noqa: BLE001
@@ -289,6 +290,8 @@ class Daemon:
                     log.debug("sending still failing (%s: %s)", type(e).__name__, e)
                 self.stop.wait(pause)
                 continue
+            finally:
+                self._send_began = None
             if backoff.failures:
                 log.info("sending to the API server works again after %d failures", backoff.failures)
                 backoff.reset()

@@ -249,6 +249,8 @@ class KubeApi:
                                   guard_fired=lambda: guard.fired)
             try:
                 data = _read_capped(response, max_bytes)
+                if guard.fired:                  # cut mid-answer: what was read may parse, but is not whole
+                    raise urllib3.exceptions.ProtocolError("cut at the deadline")
             except (urllib3.exceptions.HTTPError, OSError) as e:
                 error = _failed(verb, resource, name, e, guard.fired)
                 self._heard(error)
@@ -285,6 +287,9 @@ class KubeApi:
         try:
             response = self.http.request(method, self.connection.server + path, body=payload, headers=headers,
                                          timeout=timeout, retries=False, redirect=False, preload_content=not stream)
+            if guard_fired():                    # the head was cut short: http.client took the rest as empty
+                response.release_conn()
+                raise urllib3.exceptions.ProtocolError("cut at the deadline")
         except (urllib3.exceptions.HTTPError, OSError) as e:
             self.counts.add(verb, resource, "error")
             error = _failed(verb, resource, name, e, guard_fired())

@@ -4,8 +4,11 @@ clear, leaves a problem that reflects what a check sees now (a GPU missing), say
 
 from __future__ import annotations
 
+import os
 import threading
 import time
+
+import pytest
 
 from conftest import node_for
 from detector.agent.agent import AgentSettings, NodeAgent
@@ -65,3 +68,20 @@ def test_clear_says_when_the_daemon_has_not_answered(registry, tmp_path, capsys)
 def test_clear_list_with_nothing_held(tmp_path, capsys):
     assert main(["clear", "--list", "--state-dir", str(tmp_path)]) == 0
     assert capsys.readouterr().out.strip() == "nothing is held"
+
+
+@pytest.mark.parametrize("plant", ["fifo", "junk"])
+def test_clear_list_neither_hangs_nor_crashes_on_a_planted_state_file(tmp_path, capsys, plant):
+    """`gpu-npd clear --list` reads problems.json as the daemon does: a FIFO is refused at once (exit 2,
+    one line), latches of the wrong shape are left out or shown with what they hold."""
+    path = tmp_path / "problems.json"
+    if plant == "fifo":
+        os.mkfifo(path)
+        assert main(["clear", "--list", "--state-dir", str(tmp_path)]) == 2
+        assert "a FIFO, not a regular file" in capsys.readouterr().err
+    else:
+        path.write_text('{"version": 1, "latches": [5, "x", {"type": "GpuXidError", "first": "soon"}]}')
+        assert main(["clear", "--list", "--state-dir", str(tmp_path)]) == 0
+        out = capsys.readouterr().out
+        assert "GpuXidError/None  since ?" in out and "Traceback" not in out
+

@@ -336,7 +336,8 @@ def test_a_node_of_real_parts_reads_its_gpus_labels_and_conditions():
                              "lastTransitionTime": "2024-06-21T10:00:00Z"}]
     parsed = node_status({"metadata": {"name": "nvidia1", "labels": labels}, "status": status}, 1.0)
     assert parsed.count(GPU) == 1 and parsed.count(GPU, allocatable=False) == 1
-    assert parsed.count("cpu") == 16 and parsed.count("memory") is None        # a quantity with a unit
+    assert parsed.count("cpu") == 16                                          # read as Kubernetes quantities
+    assert parsed.count("memory") == int(parsed.capacity["memory"].removesuffix("Ki")) * 1024
     assert parsed.labels["nvidia.com/gpu.product"] == "GRID-A100-40C"
     assert parsed.labels["nvidia.com/gpu.deploy.nvsm"] == ""
     assert parsed.conditions["Ready"].since == 1718964000.0 and parsed.maintenance() == ""

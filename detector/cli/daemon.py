@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys
@@ -12,7 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from detector.cli.history import add_history_parser
-from detector.agent.agent import CLEAR_RESULT_FILE, PROBLEMS_FILE, AgentSettings, write_clear_request
+from detector.agent.agent import (CLEAR_RESULT_FILE, CLEAR_RESULT_LIMIT, PROBLEMS_FILE, PROBLEMS_LIMIT, AgentSettings,
+                                  read_json, write_clear_request)
 from detector.cli.signals import on_stop_signals
 from detector.core.nodestatus import MAINTENANCE_ANNOTATION
 from detector.daemon.logs import setup_logging
@@ -193,35 +193,47 @@ def cmd_clear(args: argparse.Namespace) -> int:
     while not result_file.exists() and time.monotonic() < deadline:
         time.sleep(0.2)
     try:
-        result = json.loads(result_file.read_text())
-    except (OSError, ValueError):
+        result = read_json(result_file, CLEAR_RESULT_LIMIT, "the clear result")
+    except FileNotFoundError:
         print("the daemon has not taken the request yet; it does at its next check run "
               "(see its log, or run gpu-npd clear --list)")
         return 0
-    for latch in result["cleared"]:
-        print(f"cleared {latch['type']}/{latch['reason']} (rule {latch['rule']}): {latch['message']}")
-    for latch in result["live"]:
-        print(f"left {latch['type']}/{latch['reason']} (rule {latch['rule']}): it reflects what the "
-              f"{latch['check']} check sees now and clears by itself when the fault is gone")
-    if not result["cleared"] and not result["live"]:
+    except (OSError, ValueError) as e:
+        print(f"gpu-npd: cannot read {result_file}: {e}", file=sys.stderr)
+        return 2
+    cleared, live = _latches(result, "cleared"), _latches(result, "live")
+    for latch in cleared:
+        print(f"cleared {latch.get('type')}/{latch.get('reason')} (rule {latch.get('rule')}): {latch.get('message')}")
+    for latch in live:
+        print(f"left {latch.get('type')}/{latch.get('reason')} (rule {latch.get('rule')}): it reflects what the "
+              f"{latch.get('check')} check sees now and clears by itself when the fault is gone")
+    if not cleared and not live:
         print("nothing was held")
     return 0
 
 
+def _latches(document: object, key: str) -> list[dict]:
+    """The latch objects listed under `key` of a state file; anything of another shape is left out."""
+    found = document.get(key) if isinstance(document, dict) else None
+    return [l for l in found if isinstance(l, dict)] if isinstance(found, list) else []
+
+
 def _list_held(state_dir: Path, types: set[str] | None) -> int:
     try:
-        latches = json.loads((state_dir / PROBLEMS_FILE).read_text())["latches"]
+        latches = _latches(read_json(state_dir / PROBLEMS_FILE, PROBLEMS_LIMIT, "the held problems"), "latches")
     except FileNotFoundError:
         latches = []
-    except (OSError, ValueError, KeyError) as e:
+    except (OSError, ValueError) as e:
         print(f"gpu-npd: cannot read {state_dir / PROBLEMS_FILE}: {e}", file=sys.stderr)
         return 2
-    shown = [l for l in latches if types is None or l["type"] in types]
+    shown = [l for l in latches if types is None or l.get("type") in types]
     if not shown:
         print("nothing is held")
     for l in shown:
-        since = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(l["first"]))
+        first = l.get("first")
+        since = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(first)) \
+            if isinstance(first, (int, float)) and 0 <= first < 1e11 else "?"
         until = {"reboot": "held until a reboot or a clear", "manual": "held until a clear",
-                 "observation": "live: ends when the fault does (clear leaves it)"}.get(l.get("recovery", ""), "")
-        print(f"{l['type']}/{l['reason']}  since {since}  rule {l['rule']}  {until}\n    {l['message']}")
+                 "observation": "live: ends when the fault does (clear leaves it)"}.get(str(l.get("recovery", "")), "")
+        print(f"{l.get('type')}/{l.get('reason')}  since {since}  rule {l.get('rule')}  {until}\n    {l.get('message')}")
     return 0

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Mapping
+from detector.core.quantity import whole_count
 
 # KEP-5683 "Node Lifecycle Conditions" (alpha in Kubernetes 1.37): while one is True the node is being
 # worked on on purpose, so what gpu-npd finds is not a reason to remediate it.
@@ -59,7 +60,7 @@ class NodeStatus:
         if value is None:
             return None
         try:
-            return int(str(value))
+            return whole_count(str(value), resource)        # a Kubernetes quantity: `8`, `8k`, `8000m`
         except ValueError:
             return None
 

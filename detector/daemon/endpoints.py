@@ -232,6 +232,7 @@ class Endpoints:
                                               backlog=128, dualstack_ipv6=v6 and host == "::")
         self._listener.setblocking(False)
         self._wake_r, self._wake_w = socket.socketpair()
+        self._selector = selectors.DefaultSelector()          # every descriptor the server needs, taken now
         self._waiting: dict[socket.socket, _Waiting] = {}    # in accept order: the first is the oldest
         self._answering = 0                                   # handed to the workers; under _lock
         self._lock = threading.Lock()
@@ -253,6 +254,8 @@ class Endpoints:
         self._wake_w.send(b"x")
         if self.thread.is_alive():
             self.thread.join(timeout=5)
+        else:
+            self._selector.close()
         self._workers.shutdown(wait=False)
         self._listener.close()
         self._wake_r.close()
@@ -261,11 +264,11 @@ class Endpoints:
     # The selector thread: accept, read heads, drop the slow, hand complete requests to the workers.
 
     def _serve(self) -> None:
-        sel = selectors.DefaultSelector()
+        sel = self._selector
         sel.register(self._listener, selectors.EVENT_READ, "accept")
         sel.register(self._wake_r, selectors.EVENT_READ, "wake")
         resume_at: float | None = None          # accept() resting after running out of descriptors
-        try:
+        try:                                    # nothing above this can fail: the descriptors exist
             while not self._stopping.is_set():
                 now = time.monotonic()
                 if resume_at is not None and now >= resume_at:

@@ -229,7 +229,7 @@ class Endpoints:
         host, port = parse_listen(address)
         v6 = ":" in host
         self._listener = socket.create_server((host, port), family=socket.AF_INET6 if v6 else socket.AF_INET,
-                                              backlog=128, dualstack_ipv6=v6 and host == "::")
+                                              backlog=socket.SOMAXCONN, dualstack_ipv6=v6 and host == "::")
         self._listener.setblocking(False)
         self._wake_r, self._wake_w = socket.socketpair()
         self._selector = selectors.DefaultSelector()          # every descriptor the server needs, taken now

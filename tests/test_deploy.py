@@ -123,7 +123,7 @@ def test_deploy_has_the_expected_manifests():
     assert kinds == {
         ("Namespace", "gpu-npd"), ("ServiceAccount", "gpu-npd"), ("ClusterRole", "gpu-npd"),
         ("ClusterRoleBinding", "gpu-npd"), ("ConfigMap", "gpu-npd-config"), ("DaemonSet", "gpu-npd"),
-        ("Service", "gpu-npd-metrics"), ("Job", "gpu-npd-preflight"), ("Job", "gpu-npd-preflight-nccl"),
+        ("Service", "gpu-npd-metrics"), ("NetworkPolicy", "gpu-npd-metrics"), ("Job", "gpu-npd-preflight"), ("Job", "gpu-npd-preflight-nccl"),
         ("ConfigMap", "gpu-npd-preflight-settings"), ("ConfigMap", "gpu-npd-preflight-nccl-settings"),
         ("PodMonitor", "gpu-npd"), ("PrometheusRule", "gpu-npd"),
         ("ServiceAccount", "gpu-npd-simulator"), ("ClusterRole", "gpu-npd-simulator"),

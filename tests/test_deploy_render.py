@@ -130,6 +130,7 @@ DAEMON_VARIANTS = {
     "overlays/custom-node-label": "privileged",
     "overlays/unprivileged": "baseline",
     "overlays/dra-taints": "privileged",
+    "overlays/networkpolicy": "privileged",
 }
 PREFLIGHTS = {"preflight": "gpu-npd-preflight", "preflight-nccl": "gpu-npd-preflight-nccl"}
 
@@ -739,6 +740,57 @@ def test_dra_taints_overlay_is_the_base_plus_its_role_and_the_flag(kubectl):
     assert all(overlay[k] == base[k] for k in base if k != ("DaemonSet", "gpu-npd"))
     args = only_container(overlay[("DaemonSet", "gpu-npd")])["args"]
     assert args == only_container(base[("DaemonSet", "gpu-npd")])["args"] + ["--dra-taints"]
+
+
+def test_networkpolicy_admits_only_the_scraper_to_the_daemon_s_metrics_port(kubectl):
+    docs = variant(kubectl, "overlays/networkpolicy")
+    policy = one(docs, "NetworkPolicy", "gpu-npd-metrics")
+    daemonset = one(docs, "DaemonSet", "gpu-npd")
+    assert policy["metadata"]["namespace"] == NAMESPACE
+    spec = policy["spec"]
+    assert selector_matches(spec["podSelector"], daemonset["spec"]["template"]["metadata"]["labels"])
+    for other in VARIANTS:                               # no pod of the preflights or the simulator
+        for workload in render(kubectl, other):
+            if workload["kind"] in POD_KINDS and workload["metadata"]["name"] != "gpu-npd":
+                assert not selector_matches(spec["podSelector"], workload["spec"]["template"]["metadata"]["labels"])
+    assert spec["policyTypes"] == ["Ingress"], "egress to the API server must stay open"
+    [rule] = spec["ingress"]
+    assert rule["ports"] == [{"port": "metrics", "protocol": "TCP"}]
+    assert "metrics" in {p["name"] for p in only_container(daemonset)["ports"]}
+    # One peer holding both selectors (a pod must match both); two peers would admit either, and an empty
+    # selector every pod or namespace.
+    [peer] = rule["from"]
+    assert set(peer) == {"namespaceSelector", "podSelector"}
+    assert peer["namespaceSelector"]["matchLabels"] and peer["podSelector"]["matchLabels"]
+
+
+def test_networkpolicy_overlay_is_the_base_plus_the_policy(kubectl):
+    def key(d: dict) -> tuple[str, str]:
+        return d["kind"], d["metadata"]["name"]
+    base = {key(d): d for d in variant(kubectl, "base")}
+    overlay = {key(d): d for d in variant(kubectl, "overlays/networkpolicy")}
+    assert set(overlay) - set(base) == {("NetworkPolicy", "gpu-npd-metrics")}
+    assert all(overlay[k] == base[k] for k in base)
+
+
+def test_docs_scraper_patch_names_another_prometheus(kubectl, tmp_path):
+    """docs/deploying.md's patch for a Prometheus of another name, in a site kustomization as it says."""
+    [patch] = re.findall(r"```yaml\n(# my-site/scraper.yaml:.*?)```", deploying_docs(), re.S)
+    copy_of_deploy(tmp_path)
+    site = tmp_path / "my-site"
+    site.mkdir()
+    (site / "scraper.yaml").write_text(patch, encoding="utf-8")
+    (site / "kustomization.yaml").write_text(yaml.safe_dump({
+        "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
+        "resources": ["../deploy/overlays/networkpolicy"], "patches": [{"path": "scraper.yaml"}]}), encoding="utf-8")
+    docs = render(kubectl, site)
+    base_peer = one(variant(kubectl, "overlays/networkpolicy"), "NetworkPolicy")["spec"]["ingress"][0]["from"][0]
+    policy = one(docs, "NetworkPolicy", "gpu-npd-metrics")
+    [rule] = policy["spec"]["ingress"]
+    [peer] = rule["from"]
+    assert peer != base_peer and set(peer) == {"namespaceSelector", "podSelector"}
+    assert rule["ports"] == [{"port": "metrics", "protocol": "TCP"}]
+    kubernetes_validate.validate(policy, K8S_VERSIONS[0], strict=True)
 
 
 def test_custom_resources_are_only_the_known_ones(kubectl):

@@ -64,7 +64,8 @@ HELM_LABELS = {
 INSTANCE_SELECTORS = (("DaemonSet", ("spec", "selector", "matchLabels")),
                       ("DaemonSet", ("spec", "template", "metadata", "labels")),
                       ("Service", ("spec", "selector")),
-                      ("PodMonitor", ("spec", "selector", "matchLabels")))
+                      ("PodMonitor", ("spec", "selector", "matchLabels")),
+                      ("NetworkPolicy", ("spec", "podSelector", "matchLabels")))
 # 3. The pod template carries the ConfigMap's checksum, so a change of settings or rules rolls the pods.
 CONFIG_CHECKSUM = "checksum/config"
 # 4. The namespace is the release's: the chart renders it only with namespace.create, and then keeps it
@@ -101,6 +102,7 @@ VARIANTS: dict[str, tuple[dict[str, Any], str | None]] = {
     "podmonitor": ({"podMonitor": {"enabled": True}}, "overlays/podmonitor"),
     "custom-node-label": ({"gpuNodeSelectorTerms": CUSTOM_LABEL_TERMS}, "overlays/custom-node-label"),
     "dra-taints": ({"draTaints": {"enabled": True}}, "overlays/dra-taints"),
+    "networkpolicy": ({"networkPolicy": {"enabled": True}}, "overlays/networkpolicy"),
     "servicemonitor": ({"serviceMonitor": {"enabled": True, "labels": {"release": "kube-prometheus-stack"}}}, None),
     "site": ({"rules": {"files": {"b-pcie.yaml": {"version": 1, "rules": [SITE_RULE]}, "a-text.yml": TEXT_RULE_FILE}},
               "checks": SITE_CHECKS, "extraArgs": ["--heartbeat", 120],

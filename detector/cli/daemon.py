@@ -60,7 +60,8 @@ def add_daemon_parsers(sub: Any) -> None:
                                                    "is opt-in: name it here or set checks.nccl.enabled)")
     r.add_argument("--config", type=Path, metavar="FILE", help="YAML settings: checks.<name>.interval|timeout|...")
     r.add_argument("--listen", default=_env("GPU_NPD_LISTEN", DEFAULT_LISTEN), metavar="HOST:PORT",
-                   help=f"/metrics, /healthz and /readyz [GPU_NPD_LISTEN] (default: {DEFAULT_LISTEN})")
+                   help=f"/metrics, /healthz and /readyz [GPU_NPD_LISTEN] (default: {DEFAULT_LISTEN}: in a pod, the "
+                        "pod IP and loopback; on a host, every interface: name one there)")
     r.add_argument("--state-dir", type=Path, default=_env("GPU_NPD_STATE_DIR"), metavar="DIR",
                    help="keeps the kernel-log cursor and held problems across restarts [GPU_NPD_STATE_DIR] "
                         f"(the DaemonSet uses {DEFAULT_STATE_DIR}; default: none, nothing kept)")

@@ -195,6 +195,8 @@ RUN: dict[str, Spec] = {
     "gpu-npd fleet --kubeconfig kc.yaml --context admin": Spec(
         expect=r"^nothing is wrong: 0 GPU nodes", why="the emulator the block started: gpu-17 has no GPU label"),
     ".venv/bin/python bench/fleet_view.py": Spec(append="--nodes 300 --runs 1", why=SCALED, timeout=60),
+    ".venv/bin/python bench/endpoint_slowloris.py": Spec(append="--connections 200 --duration 1 --settle 1",
+                                                         why=SCALED),
     ".venv/bin/python bench/flood.py": Spec(append="--lines 3000 --xid-every 500", why=SCALED, timeout=120),
 }
 

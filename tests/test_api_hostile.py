@@ -436,3 +436,29 @@ def _label_patch(emulator: Emulator, i: int):
         node["metadata"].setdefault("labels", {})["flap"] = str(i)
         return node
     return NODES, None, NODE, build
+
+
+class JunkApi:
+    """Discovery answers of the wrong shape, as a broken server or proxy may send them."""
+
+    def get_api_group(self, group: str) -> dict[str, Any]:
+        return {"versions": ["v1", {"version": ["x"]}, {"version": "v1"}, 5]}
+
+    def get_api_resources(self, group: str, version: str) -> dict[str, Any]:
+        return {"resources": [None, "resourceslices", {"name": 7}, {"name": "resourceslices"}]}
+
+
+def test_dra_discovery_of_the_wrong_shape_reads_what_is_there() -> None:
+    from detector.kube.dra import discover
+
+    found = discover(JunkApi())  # type: ignore[arg-type]
+    assert found.version_of("resourceslices") == "v1"
+
+
+@pytest.mark.parametrize("current", [{"spec": [], "metadata": "x"}, {"spec": {"taint": 5}}, {}])
+def test_a_device_taint_rule_of_the_wrong_shape_is_not_the_same_as_ours(current: dict[str, Any]) -> None:
+    from detector.kube.device_taints import _same
+
+    body = {"spec": {"deviceSelector": {"device": "gpu-3"}, "taint": {"key": "k", "effect": "NoSchedule"}},
+            "metadata": {"annotations": {"a": "b"}}}
+    assert _same(current, body) is False

@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterable
 from detector.agent.active import ConditionStatus
 from detector.kube.annotations import UNHEALTHY_GPUS
 from detector.kube.api import ApiError, KubeApi
-from detector.kube.node_status import obj, objects, text
+from detector.kube.shapes import obj, objects, text
 from detector.kube.pacing import Backoff, jittered
 from detector.kube.stamps import rfc3339
 

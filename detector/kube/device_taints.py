@@ -53,6 +53,7 @@ from detector.core.nodestatus import DraDevice
 from detector.kube.api import ApiError, KubeApi
 from detector.kube.dra import GROUP, discover
 from detector.kube.node_status import NVIDIA_DRA_DRIVER
+from detector.kube.shapes import obj, objects, text
 from detector.kube.pacing import Backoff
 from detector.kube.slices import NodeDevices, list_node_devices
 
@@ -249,8 +250,9 @@ class DeviceTaintSink(AgentSink):
         first = self._rules is None
         # This node's rules as they are now (one request per change): on start what earlier runs left,
         # later whatever someone else deleted or edited meanwhile.
-        self._rules = {r["metadata"]["name"]: r for r in self.api.list_device_taint_rules(
-            self.rule_version, f"{MANAGED_BY}={MANAGER},{NODE_LABEL}={_label_value(self.node)}")}
+        listed = self.api.list_device_taint_rules(
+            self.rule_version, f"{MANAGED_BY}={MANAGER},{NODE_LABEL}={_label_value(self.node)}")
+        self._rules = {name: r for r in objects(listed) if (name := text(obj(r.get("metadata")).get("name")))}
         if first:
             self._adopted = set(self._rules)
         missing = [w for w in wanted.values() if self._device(w) is None]
@@ -344,7 +346,7 @@ class DeviceTaintSink(AgentSink):
                 if _same(current, body):
                     return
         update = {**body, "metadata": {**body["metadata"],
-                                       "resourceVersion": current["metadata"].get("resourceVersion", "")}}
+                                       "resourceVersion": text(obj(current.get("metadata")).get("resourceVersion"))}}
         try:
             self._rules[name] = self.api.update_device_taint_rule(self.rule_version, name, update)
         except ApiError as e:
@@ -369,8 +371,8 @@ class DeviceTaintSink(AgentSink):
 
 def _same(current: dict[str, Any], body: dict[str, Any]) -> bool:
     """The server's rule already says what `body` says (timeAdded is the server's)."""
-    spec = current.get("spec") or {}
-    taint = {k: v for k, v in (spec.get("taint") or {}).items() if k != "timeAdded"}
-    annotations = (current.get("metadata") or {}).get("annotations") or {}
+    spec = obj(current.get("spec"))
+    taint = {k: v for k, v in obj(spec.get("taint")).items() if k != "timeAdded"}
+    annotations = obj(obj(current.get("metadata")).get("annotations"))
     return (spec.get("deviceSelector") == body["spec"]["deviceSelector"] and taint == body["spec"]["taint"]
             and all(annotations.get(k) == v for k, v in body["metadata"]["annotations"].items()))

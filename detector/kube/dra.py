@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from detector.kube.api import ApiError, KubeApi
+from detector.kube.shapes import objects, text
 
 GROUP = "resource.k8s.io"
 
@@ -34,17 +35,17 @@ def discover(api: KubeApi) -> DraApi:
         if e.status != 404:
             raise
         group = {}
-    versions = tuple(v.get("version", "") for v in group.get("versions") or [] if v.get("version"))
+    versions = tuple(v for v in (text(g.get("version")) for g in objects(group.get("versions"))) if v)
     resources: dict[str, str] = {}
     for version in versions:
         try:
-            served = api.get_api_resources(GROUP, version).get("resources") or []
+            served = objects(api.get_api_resources(GROUP, version).get("resources"))
         except ApiError as e:
             if e.status == 404:
                 continue
             raise
         for r in served:
-            name = r.get("name", "")
+            name = text(r.get("name"))
             if name and "/" not in name:
                 resources.setdefault(name, version)
     return DraApi(versions, resources)

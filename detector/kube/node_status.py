@@ -2,8 +2,7 @@
 
 Tolerant by design: a field missing or malformed reads as absent, never as an error, since a node object is
 written by kubelet, device plugins, DRA drivers and people (and any gpu-npd pod may patch a node's status),
-and a check must still judge what is there. `obj`, `objects` and `text` are the shape checks for that:
-the reporter reads the node's conditions through them too.
+and a check must still judge what is there: every field is read through the shape checks of shapes.py.
 """
 
 from __future__ import annotations
@@ -13,6 +12,7 @@ from typing import Any, Iterable, Mapping
 
 from detector.backends.pciaddr import normalize_bus_id
 from detector.core.nodestatus import DraDevice, NodeCondition, NodeStatus
+from detector.kube.shapes import obj, objects, text
 
 NVIDIA_DRA_DRIVER = "gpu.nvidia.com"
 UUID_ATTRIBUTES = ("uuid", f"{NVIDIA_DRA_DRIVER}/uuid")
@@ -21,25 +21,6 @@ UUID_ATTRIBUTES = ("uuid", f"{NVIDIA_DRA_DRIVER}/uuid")
 BUS_ID_ATTRIBUTES = ("resource.kubernetes.io/pciBusID", "pcieBusID", "pciBusID", f"{NVIDIA_DRA_DRIVER}/pciBusID")
 TYPE_ATTRIBUTES = ("type", f"{NVIDIA_DRA_DRIVER}/type")
 INDEX_ATTRIBUTES = ("index", f"{NVIDIA_DRA_DRIVER}/index")
-
-
-def obj(value: Any) -> dict[str, Any]:
-    """`value` if it is a JSON object, else an empty one (a field of the wrong type reads as absent)."""
-    return value if isinstance(value, dict) else {}
-
-
-def objects(value: Any) -> list[dict[str, Any]]:
-    """The JSON objects of a list; anything else in it (or a value that is no list) is left out."""
-    return [v for v in value if isinstance(v, dict)] if isinstance(value, list) else []
-
-
-def text(value: Any, default: str = "") -> str:
-    """A string field: a string as it is, a number or boolean as written; any other shape is `default`."""
-    if isinstance(value, str):
-        return value
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return str(value)
-    return default
 
 
 def node_status(node: Mapping[str, Any], read_at: float, dra_devices: tuple[DraDevice, ...] | None = None,

@@ -192,14 +192,14 @@ class FleetView:
 
 def read_fleet(api: KubeApi, owned_types: Iterable[str] = (), label_selector: str = "",
                page_size: int = PAGE_SIZE, stale_after_s: float = STALE_AFTER_S, keep_all: bool = False,
-               clock: Callable[[], float] = time.time, max_pages: int = MAX_PAGES) -> FleetView:
+               clock: Callable[[], float] = time.time, max_pages: int | None = None) -> FleetView:
     """List the nodes (matching `label_selector`; every GPU node when it is empty) page by page and judge
     each. `owned_types`: gpu-npd's condition types (the rules', beside those its MARKER shows). A node
     listed by a selector is a GPU node; without one, a node is when it has a GPU label the DaemonSet
     selects by, or anything gpu-npd writes. A node object of the wrong shape is skipped and counted.
     Raises ApiError when a request fails, FleetListError when the list cannot go on (a page of the wrong
-    shape, a continue token seen before in this listing, more than `max_pages` pages)."""
-    owned, restarts = frozenset(owned_types), 0
+    shape, a continue token seen before in this listing, more than `max_pages` pages: MAX_PAGES)."""
+    owned, restarts, max_pages = frozenset(owned_types), 0, max_pages or MAX_PAGES
     while True:
         view, token, seen = FleetView(), "", set()
         try:
@@ -254,7 +254,8 @@ def fleet_node(node: Any, owned_types: frozenset[str], now: float, stale_after_s
                selected: bool = False) -> FleetNode | None:
     """One node object as the fleet view sees it; None when it is not a GPU node (see read_fleet).
     Malformed when a field it reads has the wrong JSON type (what a real API server never sends)."""
-    node = _obj(node, "the node")
+    if not isinstance(node, dict):
+        raise Malformed(f"the node is {'null' if node is None else _kind(node)}, not an object")
     meta = _obj(node.get("metadata"), "metadata")
     name = meta.get("name")
     if not isinstance(name, str) or not name:
@@ -284,7 +285,7 @@ def fleet_node(node: Any, owned_types: frozenset[str], now: float, stale_after_s
     beats, true, verifying = [], [], []
     for c in ours:
         beat = _str(c, "lastHeartbeatTime", cw)
-        if len(beat) <= TIME_MAX and (t := parse_rfc3339(beat)) is not None:
+        if _time(beat) and (t := parse_rfc3339(beat)) is not None:
             beats.append((t, beat))
         if _str(c, "status", cw) == "True":
             (verifying if _str(c, "reason", cw) in VERIFYING_REASONS else true).append(c)
@@ -302,7 +303,7 @@ def fleet_node(node: Any, owned_types: frozenset[str], now: float, stale_after_s
         unhealthy=unhealthy,
         conditions=tuple(TrueCondition(_text(c, "type", cw), _text(c, "reason", cw),
                                        _text(c, "message", cw, MESSAGE_MAX),
-                                       _text(c, "lastTransitionTime", cw, TIME_MAX) or None)
+                                       _time(_str(c, "lastTransitionTime", cw)))
                          for c in true[:MAX_CONDITIONS]),
         last_heartbeat=last[1] if last else None, reporting=last is not None and now - last[0] <= stale_after_s,
         annotation_error=error, more_conditions=max(0, len(true) - MAX_CONDITIONS),
@@ -375,6 +376,11 @@ def _str(obj: Mapping[str, Any], key: str, where: str) -> str:
 
 def _text(obj: Mapping[str, Any], key: str, where: str, limit: int = TEXT_MAX) -> str:
     return _clip(_str(obj, key, where), limit)
+
+
+def _time(text: str) -> str | None:
+    """A time as written, None when missing or too long to be one (shown as is, never cut)."""
+    return text if text and len(text) <= TIME_MAX else None
 
 
 def _clip(text: str, limit: int) -> str:

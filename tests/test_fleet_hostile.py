@@ -343,14 +343,17 @@ def test_a_node_whose_texts_hold_junk_never_raises(serve, capsys):
             {"type": "Ready", "status": "\n" * 300, "message": ""},
             {"type": "GpuMissing", "status": "True", "message": MARKER, "lastHeartbeatTime": now,
              "lastTransitionTime": "yesterday"}]
-    item = node("gpu-junk", "{\"state\": 1}", conditions=junk)
+    item = node("gpu-junk", "[" * 5000, conditions=junk)           # under the cap, nested past the decoder
     item["metadata"]["labels"].update({"nvidia.com/gpu.count": "²", "x" * 5000: "y" * 5000})
     item["status"]["capacity"] = {"nvidia.com/gpu": "-8"}
     item["spec"]["taints"] = [{}, {"key": "a", "value": None, "effect": "\t"}]
     _, kubeconfig = serve(one_page(item))
-    for output in ("table", "json"):
-        code, out, err = fleet(kubeconfig, "-o", output, capsys=capsys)
-        assert code == 1 and err == "" and "gpu-junk" in out
+    code, out, err = fleet(kubeconfig, capsys=capsys)
+    assert code == 1 and err == "" and out.splitlines()[-1].startswith("1 node to look at: 1 GPU node, 0 GPUs")
+    code, out, err = fleet(kubeconfig, "-o", "json", capsys=capsys)
+    seen = json.loads(out)["nodes"][0]
+    assert code == 1 and err == "" and seen["gpus"] is None and "nested too deeply" in seen["annotationError"]
+    assert [c["type"] for c in seen["conditions"]] == ["GpuXidError", "GpuMissing"] and seen["reporting"] is True
 
 
 # -- deadlines: a request that took too long, an answer too large --------------------------------------------

@@ -375,3 +375,35 @@ def test_a_list_past_its_deadline_or_too_large_is_one_line_and_exit_3(serve, cap
     code, out, err = fleet(kubeconfig, capsys=capsys)
     assert code == 3 and out == "" and err.count("\n") == 1
     assert err.startswith(f"gpu-npd: cannot list nodes: list nodes: no response {reason}: ") and hint in err, err
+
+
+def test_the_docs_give_the_bounds_the_code_has():
+    from detector.cli.fleet import CELL_MAX, TAINTS_MAX
+
+    text = " ".join((REPO / "docs" / "deploying.md").read_text().split())
+    for said in (f"read only up to {fleet_view.ANNOTATION_MAX // KIB} KiB", f"more than {fleet_view.MAX_GPUS} GPUs",
+                 f"over {fleet_view.MAX_GPUS} is not taken", f"At most {fleet_view.MAX_CONDITIONS} True gpu-npd",
+                 f"and {fleet_view.MAX_TAINTS} taints", f"kept to {fleet_view.TEXT_MAX} characters",
+                 f"to {fleet_view.MESSAGE_MAX:,})", f"cut to {CELL_MAX} characters", f"TAINTS, to {TAINTS_MAX}.",
+                 f"more than {fleet_view.MAX_PAGES:,} pages", f"so do {fleet_view.MAX_PAGES:,} pages"):
+        assert said in text, said
+
+
+def test_the_newest_heartbeat_is_found_however_the_times_are_written():
+    """Times as the API server writes them are compared as text and only the newest parsed; one written
+    otherwise (an offset, a fraction) or not a time at all makes each be parsed."""
+    from detector.kube.fleet_view import fleet_node
+    from detector.kube.stamps import parse_rfc3339
+
+    def newest(*beats: str) -> str | None:
+        item = node("gpu-0", conditions=[{"type": f"Gpu{i}", "message": MARKER, "lastHeartbeatTime": b}
+                                         for i, b in enumerate(beats)])
+        item["status"]["conditions"] = item["status"]["conditions"][1:]
+        seen = fleet_node(item, frozenset(), parse_rfc3339("2026-03-02T12:00:00Z"), 900)
+        return seen.last_heartbeat
+
+    assert newest("2026-03-02T11:50:00Z", "2026-03-02T11:58:00Z", "2026-03-02T11:40:00Z") == "2026-03-02T11:58:00Z"
+    assert newest("2026-03-02T11:50:00Z", "2026-03-02T13:55:00+02:00") == "2026-03-02T13:55:00+02:00"
+    assert newest("2026-03-02T11:50:00Z", "2026-03-02T11:59:00.5Z") == "2026-03-02T11:59:00.5Z"
+    assert newest("2026-13-45T99:99:99Z", "2026-03-02T11:50:00Z") == "2026-03-02T11:50:00Z"
+    assert newest("yesterday", "x" * 100_000) is None and newest() is None

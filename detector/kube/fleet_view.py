@@ -253,61 +253,67 @@ def _page(page: Any, number: int) -> tuple[list[Any], str]:
 def fleet_node(node: Any, owned_types: frozenset[str], now: float, stale_after_s: float,
                selected: bool = False) -> FleetNode | None:
     """One node object as the fleet view sees it; None when it is not a GPU node (see read_fleet).
-    Malformed when a field it reads has the wrong JSON type (what a real API server never sends)."""
-    if not isinstance(node, dict):
+    Malformed when a field it reads has the wrong JSON type (what a real API server never sends). The
+    conditions' loops check types inline: they run for every condition of every node listed."""
+    if type(node) is not dict:
         raise Malformed(f"the node is {'null' if node is None else _kind(node)}, not an object")
-    meta = _obj(node.get("metadata"), "metadata")
+    meta = _obj(node.get("metadata"), "", "metadata")
     name = meta.get("name")
-    if not isinstance(name, str) or not name:
+    if type(name) is not str or not name:
         raise Malformed(f"metadata.name is {_kind(name) if name != '' else 'empty'}, not a node's name")
     if len(name) > NAME_MAX:
         raise Malformed(f"metadata.name is {len(name)} characters, more than Kubernetes allows ({NAME_MAX})")
     where = f"node {name}: "
-    spec, status = _obj(node.get("spec"), where + "spec"), _obj(node.get("status"), where + "status")
-    labels = _obj(meta.get("labels"), where + "metadata.labels")
-    annotations = _obj(meta.get("annotations"), where + "metadata.annotations")
-    conditions = [_obj(c, where + "a condition") for c in _list(status.get("conditions"), where + "status.conditions")]
+    spec, status = _obj(node.get("spec"), where, "spec"), _obj(node.get("status"), where, "status")
+    labels = _obj(meta.get("labels"), where, "metadata.labels")
+    annotations = _obj(meta.get("annotations"), where, "metadata.annotations")
     ready: str | None = None
-    ours, cw = [], where + "a condition's "
-    for c in conditions:
-        type_, message = _str(c, "type", cw), _str(c, "message", cw)
+    ours = []
+    for c in _list(status.get("conditions"), where, "status.conditions"):
+        if type(c) is not dict:
+            raise Malformed(f"{where}a condition is {_kind(c)}, not an object")
+        type_, message = c.get("type"), c.get("message")
+        if type(type_) is not str or type(message) is not str:
+            type_, message = _str(c, "type", where), _str(c, "message", where)
         if type_ == "Ready" and ready is None:
-            ready = _text(c, "status", cw)
+            ready = _text(c, "status", where)
         if type_ in owned_types or message.startswith(MARKER):
             ours.append(c)
     value = annotations.get(UNHEALTHY_GPUS)
-    if value is not None and not isinstance(value, str):
+    if value is not None and type(value) is not str:
         raise Malformed(f"{where}annotation {UNHEALTHY_GPUS} is {_kind(value)}, not a string")
-    gpu_label = any(_str(labels, k, where + "label ") == v for k, v in GPU_NODE_LABELS)
+    gpu_label = any(_str(labels, k, where, "label ") == v for k, v in GPU_NODE_LABELS)
     if not (selected or ours or value is not None or gpu_label):
         return None
     unhealthy, error = read_annotation(value)
     beats, true, verifying = [], [], []
     for c in ours:
-        beat = _str(c, "lastHeartbeatTime", cw)
-        if _time(beat) and (t := parse_rfc3339(beat)) is not None:
-            beats.append((t, beat))
-        if _str(c, "status", cw) == "True":
-            (verifying if _str(c, "reason", cw) in VERIFYING_REASONS else true).append(c)
-    last = max(beats) if beats else None
+        beat, state, reason = c.get("lastHeartbeatTime"), c.get("status"), c.get("reason")
+        if type(beat) is not str or type(state) is not str or type(reason) is not str:
+            beat, state = _str(c, "lastHeartbeatTime", where), _str(c, "status", where)
+            reason = _str(c, "reason", where)
+        if beat:
+            beats.append(beat)
+        if state == "True":
+            (verifying if reason in VERIFYING_REASONS else true).append(c)
+    last = _newest(beats)
     unschedulable = spec.get("unschedulable")
-    if unschedulable is not None and not isinstance(unschedulable, bool):
+    if unschedulable is not None and type(unschedulable) is not bool:
         raise Malformed(f"{where}spec.unschedulable is {_kind(unschedulable)}, not true or false")
-    taints = [_obj(t, where + "a taint") for t in _list(spec.get("taints"), where + "spec.taints")]
-    tw = where + "a taint's "
+    taints = [_obj(t, where, "a taint") for t in _list(spec.get("taints"), where, "spec.taints")]
     return FleetNode(
         name=name, ready=ready or "", unschedulable=bool(unschedulable),
-        taints=tuple(Taint(_text(t, "key", tw), _text(t, "value", tw), _text(t, "effect", tw))
-                     for t in taints[:MAX_TAINTS]),
-        gpus=_gpu_count(_obj(status.get("capacity"), where + "status.capacity"), labels, where),
+        taints=tuple(Taint(_text(t, "key", where, "a taint's "), _text(t, "value", where, "a taint's "),
+                           _text(t, "effect", where, "a taint's ")) for t in taints[:MAX_TAINTS]),
+        gpus=_gpu_count(_obj(status.get("capacity"), where, "status.capacity"), labels, where),
         unhealthy=unhealthy,
-        conditions=tuple(TrueCondition(_text(c, "type", cw), _text(c, "reason", cw),
-                                       _text(c, "message", cw, MESSAGE_MAX),
-                                       _time(_str(c, "lastTransitionTime", cw)))
+        conditions=tuple(TrueCondition(_text(c, "type", where), _text(c, "reason", where),
+                                       _text(c, "message", where, limit=MESSAGE_MAX),
+                                       _time(_str(c, "lastTransitionTime", where)))
                          for c in true[:MAX_CONDITIONS]),
         last_heartbeat=last[1] if last else None, reporting=last is not None and now - last[0] <= stale_after_s,
         annotation_error=error, more_conditions=max(0, len(true) - MAX_CONDITIONS),
-        verifying=_clip("; ".join(_text(c, "message", cw, MESSAGE_MAX) for c in verifying[:MAX_CONDITIONS]),
+        verifying=_clip("; ".join(_text(c, "message", where, limit=MESSAGE_MAX) for c in verifying[:MAX_CONDITIONS]),
                         MESSAGE_MAX))
 
 
@@ -334,11 +340,23 @@ def read_annotation(value: str | None) -> tuple[tuple[UnhealthyGpu, ...], str]:
 def _gpu_count(capacity: Mapping[str, Any], labels: Mapping[str, Any], where: str) -> int | None:
     """Capacity nvidia.com/gpu, else the nvidia.com/gpu.count label; a count no node can have (more than
     MAX_GPUS) is not taken: anyone who may patch a node's status may write its capacity."""
-    for value in (_str(capacity, GPU_RESOURCE, where + "status.capacity "),
-                  _str(labels, "nvidia.com/gpu.count", where + "label ")):
+    for value in (_str(capacity, GPU_RESOURCE, where, "status.capacity "),
+                  _str(labels, "nvidia.com/gpu.count", where, "label ")):
         if value.isascii() and value.isdigit() and len(value) <= 3 and int(value) <= MAX_GPUS:
             return int(value)
     return None
+
+
+def _newest(beats: list[str]) -> tuple[float, str] | None:
+    """The newest of these heartbeat times and when it is, None when none is a time. The API server writes
+    each as RFC 3339 in UTC to the second, `2026-03-02T10:41:07Z`, which sorts as time does: then only the
+    newest is parsed (this runs for every gpu-npd condition of every node listed)."""
+    if beats and all(len(b) == 20 and b[10] == "T" and b[19] == "Z" for b in beats):
+        newest = max(beats)
+        if (t := parse_rfc3339(newest)) is not None:
+            return t, newest
+    times = [(t, b) for b in beats if _time(b) and (t := parse_rfc3339(b)) is not None]
+    return max(times) if times else None
 
 
 def _kind(value: Any) -> str:
@@ -348,34 +366,36 @@ def _kind(value: Any) -> str:
     return names.get(type(value), type(value).__name__)
 
 
-def _obj(value: Any, what: str) -> Mapping[str, Any]:
+def _obj(value: Any, where: str, what: str) -> Mapping[str, Any]:
+    """An object field, {} when missing; Malformed when it is something else. `where` and `what` name it
+    (joined only for the error: this runs for every node)."""
     if value is None:
         return {}
-    if not isinstance(value, dict):
-        raise Malformed(f"{what} is {_kind(value)}, not an object")
+    if type(value) is not dict:
+        raise Malformed(f"{where}{what} is {_kind(value)}, not an object")
     return value
 
 
-def _list(value: Any, what: str) -> list[Any]:
+def _list(value: Any, where: str, what: str) -> list[Any]:
     if value is None:
         return []
-    if not isinstance(value, list):
-        raise Malformed(f"{what} is {_kind(value)}, not a list")
+    if type(value) is not list:
+        raise Malformed(f"{where}{what} is {_kind(value)}, not a list")
     return value
 
 
-def _str(obj: Mapping[str, Any], key: str, where: str) -> str:
+def _str(obj: Mapping[str, Any], key: str, where: str, what: str = "a condition's ") -> str:
     """A text field, "" when missing; Malformed when it is not a string."""
     value = obj.get(key)
     if value is None:
         return ""
-    if not isinstance(value, str):
-        raise Malformed(f"{where}{key} is {_kind(value)}, not a string")
+    if type(value) is not str:
+        raise Malformed(f"{where}{what}{key} is {_kind(value)}, not a string")
     return value
 
 
-def _text(obj: Mapping[str, Any], key: str, where: str, limit: int = TEXT_MAX) -> str:
-    return _clip(_str(obj, key, where), limit)
+def _text(obj: Mapping[str, Any], key: str, where: str, what: str = "a condition's ", limit: int = TEXT_MAX) -> str:
+    return _clip(_str(obj, key, where, what), limit)
 
 
 def _time(text: str) -> str | None:

@@ -407,3 +407,17 @@ def test_the_newest_heartbeat_is_found_however_the_times_are_written():
     assert newest("2026-03-02T11:50:00Z", "2026-03-02T11:59:00.5Z") == "2026-03-02T11:59:00.5Z"
     assert newest("2026-13-45T99:99:99Z", "2026-03-02T11:50:00Z") == "2026-03-02T11:50:00Z"
     assert newest("yesterday", "x" * 100_000) is None and newest() is None
+
+
+def test_what_a_terminal_would_act_on_is_shown_as_question_marks(serve, capsys):
+    now = rfc3339(time.time())
+    item = node("gpu-0", conditions=[{"type": "GpuXidError", "status": "True", "reason": "\x1b[2J\nfake row\u202e",
+                                      "message": MARKER, "lastHeartbeatTime": now}])
+    item["spec"]["taints"] = [{"key": "evil\r", "value": "\x9b31m", "effect": "NoSchedule"}]
+    _, kubeconfig = serve(one_page(item, {"metadata": {"name": "gpu-\x1b]0;owned\x07"}, "status": 1}))
+    code, out, err = fleet(kubeconfig, capsys=capsys)
+    assert code == 3 and len(out.splitlines()) == 3 and err.count("\n") == 1
+    row = out.splitlines()[1].split()
+    assert row[5:8] == ["GpuXidError", "?[2J?fake", "row?"] and row[-1] == "evil?=?31m:NoSchedule"
+    assert "node gpu-?]0;owned?: status is a number" in err
+    assert not any(ch in out + err.rstrip("\n") for ch in "\x1b\x07\x9b\r\u202e")

@@ -28,6 +28,12 @@ PLUGIN = "kubectl gpu-npd"
 # hold a few taints in full.
 CELL_MAX = 64
 TAINTS_MAX = 256
+LINE_MAX = 1000                  # a line on stderr (the API server's message in it is the server's to choose)
+# Characters a terminal acts on rather than shows (C0 and C1 controls, escape sequences among them) and
+# those that reorder a line (bidi overrides): whoever can write a node's status chooses these texts, so
+# each is shown as "?".
+_UNPRINTABLE = dict.fromkeys([*range(0x20), *range(0x7f, 0xa0), 0x200e, 0x200f, *range(0x202a, 0x202f),
+                              *range(0x2066, 0x206a)], "?")
 
 
 DESCRIPTION = ("Read every GPU node from the API server (one LIST, in pages) and list those with a degraded or "
@@ -87,23 +93,26 @@ def cmd_fleet(args: argparse.Namespace) -> int:
         view = read_fleet(api, load_rules([builtin_rules_dir()]).types(), args.selector, args.chunk_size,
                           args.stale_after, keep_all=args.all)
     except ApiError as e:
-        print(f"gpu-npd: cannot list nodes: {e.explain(FLEET_RBAC_HINT)}{_hint(e)}", file=sys.stderr)
-        return EXIT_API
+        return _failed(f"{_clip(e.explain(FLEET_RBAC_HINT), LINE_MAX)}{_hint(e)}")
     except FleetListError as e:
-        print(f"gpu-npd: cannot list nodes: {e}", file=sys.stderr)
-        return EXIT_API
+        return _failed(str(e))
     except RecursionError:             # JSON nested deeper than Python's decoder goes: no API server's
-        print("gpu-npd: cannot list nodes: the API server's answer is JSON nested too deeply", file=sys.stderr)
-        return EXIT_API
+        return _failed("the API server's answer is JSON nested too deeply")
     if args.output == "json":
         print(json.dumps(fleet_json(view, args.stale_after), indent=2))
     else:
         print(render_fleet(view))
     if view.malformed:
-        print(f"gpu-npd: {view.malformed} node{'s' if view.malformed != 1 else ''} had a malformed shape and "
-              f"{'were' if view.malformed != 1 else 'was'} skipped; first: {view.first_malformed}", file=sys.stderr)
+        print(_clip(f"gpu-npd: {view.malformed} node{'s' if view.malformed != 1 else ''} had a malformed shape "
+                    f"and {'were' if view.malformed != 1 else 'was'} skipped; first: {view.first_malformed}",
+                    LINE_MAX), file=sys.stderr)
         return EXIT_API
     return EXIT_NOTHING_WRONG if view.nothing_wrong else EXIT_PROBLEMS
+
+
+def _failed(why: str) -> int:
+    print(_clip(f"gpu-npd: cannot list nodes: {why}", LINE_MAX), file=sys.stderr)
+    return EXIT_API
 
 
 def _hint(e: ApiError) -> str:
@@ -162,8 +171,10 @@ def summary_line(view: FleetView) -> str:
     return f"{view.with_problems} node{'s' if view.with_problems != 1 else ''} to look at: {counts}"
 
 
-def _clip(cell: str, limit: int) -> str:
-    return cell if len(cell) <= limit else cell[:limit - 1] + "…"
+def _clip(text: str, limit: int) -> str:
+    """`text` cut to `limit` characters (an ellipsis at the cut), with what a terminal would act on shown
+    as "?"."""
+    return (text if len(text) <= limit else text[:limit - 1] + "…").translate(_UNPRINTABLE)
 
 
 def kubectl_plugin(argv: Sequence[str] | None = None) -> int:

@@ -13,13 +13,27 @@ import json
 import sys
 from typing import Any, Sequence
 
+from detector.kube.api import ApiError
 from detector.kube.fleet_view import PAGE_SIZE, STALE_AFTER_S, FleetView
 
 EXIT_NOTHING_WRONG, EXIT_PROBLEMS, EXIT_USAGE, EXIT_API = 0, 1, 2, 3
 EXIT_CODES = ("exit code: 0 nothing is wrong, 1 a node is listed (an unhealthy GPU, a gpu-npd condition True, "
               "or gpu-npd not reporting), 2 bad usage or no usable kubeconfig, 3 the API server could not be "
-              "read (unreachable, or the list refused: see deploy/fleet-viewer for the read-only RBAC)")
+              "read, or not all of it (unreachable, too slow, the list refused: see deploy/fleet-viewer for the "
+              "read-only RBAC; an answer too large or of the wrong shape, a continue token repeated, too many "
+              "pages; nodes of the wrong shape skipped, the others still shown)")
 PLUGIN = "kubectl gpu-npd"
+# Printed cells are cut to this many characters (an ellipsis at the cut): a column is as wide as its widest
+# cell, so one long cell would widen every row. TAINTS, the last column, widens only its own row: it may
+# hold a few taints in full.
+CELL_MAX = 64
+TAINTS_MAX = 256
+LINE_MAX = 1000                  # a line on stderr (the API server's message in it is the server's to choose)
+# Characters a terminal acts on rather than shows (C0 and C1 controls, escape sequences among them) and
+# those that reorder a line (bidi overrides): whoever can write a node's status chooses these texts, so
+# each is shown as "?".
+_UNPRINTABLE = dict.fromkeys([*range(0x20), *range(0x7f, 0xa0), 0x200e, 0x200f, *range(0x202a, 0x202f),
+                              *range(0x2066, 0x206a)], "?")
 
 
 DESCRIPTION = ("Read every GPU node from the API server (one LIST, in pages) and list those with a degraded or "
@@ -64,9 +78,9 @@ def add_fleet_arguments(f: argparse.ArgumentParser) -> None:
 def cmd_fleet(args: argparse.Namespace) -> int:
     from detector.config import UsageError
     from detector.rules.sources import builtin_rules_dir
-    from detector.kube.api import ApiError, ConfigError, KubeApi
+    from detector.kube.api import ConfigError, KubeApi
     from detector.kube.connection import user_kubeconfig
-    from detector.kube.fleet_view import read_fleet
+    from detector.kube.fleet_view import FleetListError, read_fleet
     from detector.rules.loader import load_rules
 
     if args.chunk_size < 1 or args.stale_after <= 0:
@@ -79,13 +93,35 @@ def cmd_fleet(args: argparse.Namespace) -> int:
         view = read_fleet(api, load_rules([builtin_rules_dir()]).types(), args.selector, args.chunk_size,
                           args.stale_after, keep_all=args.all)
     except ApiError as e:
-        print(f"gpu-npd: cannot list nodes: {e.explain(FLEET_RBAC_HINT)}", file=sys.stderr)
-        return EXIT_API
+        return _failed(f"{_clip(e.explain(FLEET_RBAC_HINT), LINE_MAX)}{_hint(e)}")
+    except FleetListError as e:
+        return _failed(str(e))
+    except RecursionError:             # JSON nested deeper than Python's decoder goes: no API server's
+        return _failed("the API server's answer is JSON nested too deeply")
     if args.output == "json":
         print(json.dumps(fleet_json(view, args.stale_after), indent=2))
     else:
         print(render_fleet(view))
+    if view.malformed:
+        print(_clip(f"gpu-npd: {view.malformed} node{'s' if view.malformed != 1 else ''} had a malformed shape "
+                    f"and {'were' if view.malformed != 1 else 'was'} skipped; first: {view.first_malformed}",
+                    LINE_MAX), file=sys.stderr)
+        return EXIT_API
     return EXIT_NOTHING_WRONG if view.nothing_wrong else EXIT_PROBLEMS
+
+
+def _failed(why: str) -> int:
+    print(_clip(f"gpu-npd: cannot list nodes: {why}", LINE_MAX), file=sys.stderr)
+    return EXIT_API
+
+
+def _hint(e: ApiError) -> str:
+    """What to do about a request that took too long or an answer too large (api.py's deadline and cap)."""
+    if e.status == 0 and e.reason == "TooLarge":
+        return " (a smaller --chunk-size makes each page smaller)"
+    if e.status == 0 and e.reason == "Timeout":
+        return " (a smaller --chunk-size makes each page quicker to send)"
+    return ""
 
 
 FLEET_RBAC_HINT = ("deploy/fleet-viewer does (get and list nodes, read-only): bind its ClusterRole gpu-npd-fleet-viewer "
@@ -94,7 +130,8 @@ FLEET_RBAC_HINT = ("deploy/fleet-viewer does (get and list nodes, read-only): bi
 
 def fleet_json(view: FleetView, stale_after_s: float) -> dict[str, Any]:
     return {"summary": view.summary(), "nothingWrong": view.nothing_wrong, "staleAfterSeconds": stale_after_s,
-            "nodes": [n.to_dict() for n in view.nodes]}
+            "nodes": [n.to_dict() for n in view.nodes],
+            "malformed": {"nodes": view.malformed, "first": view.first_malformed or None}}
 
 
 def render_fleet(view: FleetView) -> str:
@@ -104,12 +141,14 @@ def render_fleet(view: FleetView) -> str:
 
     rows = [("NODE", "GPU", "BUS ID", "UUID", "SERIAL", "STATE", "ACTION/REASON", "SINCE", "STATUS", "TAINTS")]
     for node in view.nodes:
-        tail = (node.status, ",".join(str(t) for t in node.taints) or "-")
+        tail = (node.status, _clip(",".join(str(t) for t in node.taints) or "-", TAINTS_MAX))
         for g in node.unhealthy:
             rows.append((node.name, "-" if g.index is None else str(g.index), g.pci_bus_id or "-", g.uuid or "-",
                          g.serial or "-", g.state, g.action or "-", g.since or "-", *tail))
         for c in node.conditions:
             rows.append((node.name, "-", "-", "-", "-", c.type, c.reason or "-", c.since or "-", *tail))
+        if node.more_conditions:
+            rows.append((node.name, "-", "-", "-", "-", f"+{node.more_conditions} conditions", "TooMany", "-", *tail))
         if not node.reporting:
             rows.append((node.name, "-", "-", "-", "-", "not-reporting",
                          "NoHeartbeat" if node.last_heartbeat else "NeverReported", node.last_heartbeat or "-", *tail))
@@ -117,6 +156,7 @@ def render_fleet(view: FleetView) -> str:
             rows.append((node.name, "-", "-", "-", "-", "unreadable", "BadAnnotation", "-", *tail))
         if not node.has_problems:
             rows.append((node.name, "-", "-", "-", "-", "healthy", "-", "-", *tail))
+    rows = [tuple(_clip(cell, CELL_MAX) for cell in row[:-1]) + row[-1:] for row in rows]
     lines = columns(rows) if len(rows) > 1 else []
     lines.append(summary_line(view))
     return "\n".join(lines)
@@ -124,10 +164,17 @@ def render_fleet(view: FleetView) -> str:
 
 def summary_line(view: FleetView) -> str:
     counts = (f"{view.gpu_nodes} GPU node{'s' if view.gpu_nodes != 1 else ''}, {view.gpus} GPUs, {view.failed} "
-              f"failed, {view.degraded} degraded, {view.not_reporting} not reporting")
+              f"failed, {view.degraded} degraded, {view.not_reporting} not reporting"
+              + (f", {view.malformed} malformed (skipped)" if view.malformed else ""))
     if view.nothing_wrong:
         return f"nothing is wrong: {counts}"
     return f"{view.with_problems} node{'s' if view.with_problems != 1 else ''} to look at: {counts}"
+
+
+def _clip(text: str, limit: int) -> str:
+    """`text` cut to `limit` characters (an ellipsis at the cut), with what a terminal would act on shown
+    as "?"."""
+    return (text if len(text) <= limit else text[:limit - 1] + "…").translate(_UNPRINTABLE)
 
 
 def kubectl_plugin(argv: Sequence[str] | None = None) -> int:

@@ -22,6 +22,9 @@ from detector.core.gpu_health import HEALTHY, GpuHealth
 from detector.kube.stamps import rfc3339
 
 UNHEALTHY_GPUS = key("unhealthy-gpus")
+# gpu-npd writes about 180 characters a GPU: 64 GPUs fit in 12 KiB. A longer value was planted (any pod
+# that may patch a node may write it) and is not parsed.
+MAX_VALUE = 16 << 10
 
 
 def unhealthy_gpus_annotation(health: Iterable[GpuHealth], before: str | None = None) -> str | None:
@@ -73,13 +76,19 @@ class UnhealthyGpu:
 
 
 def read_unhealthy_gpus(value: str | None) -> list[UnhealthyGpu]:
-    """The annotation's GPUs; ValueError when the value is not what gpu-npd writes."""
+    """The annotation's GPUs; ValueError when the value is not what gpu-npd writes (over MAX_VALUE
+    characters, not JSON, nested past what the parser allows, or not a list of objects)."""
     if not value:
         return []
+    if len(value) > MAX_VALUE:
+        raise ValueError(f"{UNHEALTHY_GPUS} is {len(value):,} characters, over the {MAX_VALUE:,} gpu-npd writes "
+                         "at most")
     try:
         entries = json.loads(value)
     except ValueError as e:
         raise ValueError(f"{UNHEALTHY_GPUS} is not JSON: {e}") from None
+    except RecursionError:
+        raise ValueError(f"{UNHEALTHY_GPUS} is JSON nested too deeply: not parsed") from None
     if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
         raise ValueError(f"{UNHEALTHY_GPUS} is not a JSON list of objects")
     return [UnhealthyGpu(_int(e.get("index")), _str(e.get("pciBusId")), _str(e.get("uuid")), _str(e.get("serial")),

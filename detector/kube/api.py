@@ -40,6 +40,9 @@ WATCH_GRACE_S = 60.0             # ... and is cut this long after that, whatever
 # object plus a line of framing), fits easily in 4 MiB; a longer line is not an object but an attack.
 MAX_OBJECT_BYTES = 4 << 20
 MAX_BODY_BYTES = 16 << 20        # a response other than a list page: an object, a Status, a small list
+# An unpaged list of a whole fleet (the simulator's adoption and watch, `gpu-npd fleet --chunk-size
+# 7500`): 15,000 nodes of 64 KiB each is under 1 GiB. Paging (gpu-npd fleet's default) keeps it far lower.
+MAX_LIST_BYTES = 1 << 30
 STRATEGIC_MERGE = "application/strategic-merge-patch+json"
 MERGE_PATCH = "application/merge-patch+json"
 USER_AGENT = "gpu-npd"
@@ -108,8 +111,9 @@ class KubeApi:
         return self._call("get", "nodes", "GET", f"/api/v1/nodes/{quote(name)}", name=name)
 
     def list_nodes(self, label_selector: str = "") -> list[dict[str, Any]]:
-        """The fleet simulator's adoption of existing (KWOK) nodes; the daemon never lists."""
-        return self.list_node_collection(label_selector).get("items", [])
+        """The fleet simulator's adoption of existing (KWOK) nodes (the daemon lists only its own node)."""
+        items = self.list_node_collection(label_selector, max_bytes=MAX_LIST_BYTES).get("items")
+        return [i for i in items if isinstance(i, dict)] if isinstance(items, list) else []
 
     def list_node_page(self, label_selector: str = "", limit: int = 500, continue_token: str = "",
                        max_bytes: int | None = None) -> dict[str, Any]:
@@ -119,7 +123,8 @@ class KubeApi:
         ApiError TooLarge."""
         params = [("labelSelector", label_selector), ("limit", str(limit)), ("continue", continue_token)]
         query = "&".join(f"{k}={quote(v, safe='')}" for k, v in params if v)
-        cap = max_bytes if max_bytes is not None else max(MAX_BODY_BYTES, limit * (3 << 19))
+        cap = max_bytes if max_bytes is not None else \
+            min(MAX_LIST_BYTES, max(MAX_BODY_BYTES, limit * (3 << 19))) if limit > 0 else MAX_LIST_BYTES
         return self._call("list", "nodes", "GET", f"/api/v1/nodes?{query}", max_bytes=cap)
 
     def watch_nodes(self, label_selector: str, resource_version: str, timeout_s: int = WATCH_TIMEOUT_S,
@@ -134,10 +139,13 @@ class KubeApi:
         return self._watch("nodes", "/api/v1/nodes", resource_version, timeout_s, on_open,
                            label_selector, field_selector)
 
-    def list_node_collection(self, label_selector: str = "", field_selector: str = "") -> dict[str, Any]:
-        """The NodeList itself: its metadata.resourceVersion is where a watch of the same nodes starts."""
+    def list_node_collection(self, label_selector: str = "", field_selector: str = "",
+                             max_bytes: int = MAX_BODY_BYTES) -> dict[str, Any]:
+        """The NodeList itself: its metadata.resourceVersion is where a watch of the same nodes starts.
+        The daemon lists its one node (16 MiB is room for any); a fleet's list passes MAX_LIST_BYTES."""
         return self._call("list", "nodes", "GET", "/api/v1/nodes" + _query(labelSelector=label_selector,
-                                                                           fieldSelector=field_selector))
+                                                                           fieldSelector=field_selector),
+                          max_bytes=max_bytes)
 
     def patch_node_annotations(self, name: str, annotations: dict[str, str | None]) -> dict[str, Any]:
         """Set (or, with None, remove) annotations on a node: a merge patch of its metadata only."""
@@ -263,9 +271,12 @@ class KubeApi:
                 response.release_conn()
         try:
             value = json.loads(data) if data else {}
-        except (ValueError, RecursionError):
+        except ValueError:
             raise ApiError(response.status, "BadResponse", "the API server's answer is not JSON", None,
                            verb, resource, name) from None
+        except RecursionError:
+            raise ApiError(response.status, "BadResponse", "the API server's answer is JSON nested too deeply",
+                           None, verb, resource, name) from None
         if not isinstance(value, dict):
             raise ApiError(response.status, "BadResponse", f"the API server's answer is a JSON "
                            f"{type(value).__name__}, not an object", None, verb, resource, name)

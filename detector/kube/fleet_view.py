@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 
 from detector.core.gpu_health import DEGRADED, FAILED
-from detector.kube.annotations import UNHEALTHY_GPUS, UnhealthyGpu, read_unhealthy_gpus
+from detector.kube.annotations import MAX_VALUE, UNHEALTHY_GPUS, UnhealthyGpu, read_unhealthy_gpus
 from detector.kube.api import ApiError, KubeApi
 from detector.kube.conditions import MARKER
 from detector.kube.stamps import parse_rfc3339
@@ -62,7 +62,7 @@ _RESTARTS = 2                    # a continue token that expired mid-list: list 
 # gpu-npd's annotation entry is about 180 characters, so 64 GPUs take about 12 KiB; Kubernetes allows 256 KiB
 # of annotations per node, which read as is made a 2 GB table of four nodes.
 MAX_GPUS = 64                    # a node's GPUs: 16 on the largest boards, 56 as MIG devices of 8 GPUs
-ANNOTATION_MAX = 16 * 1024       # characters of gpu-npd.io/unhealthy-gpus read; a longer one is not parsed
+ANNOTATION_MAX = MAX_VALUE       # characters of gpu-npd.io/unhealthy-gpus read; a longer one is not parsed
 MAX_CONDITIONS = 64              # True gpu-npd conditions kept per node (the bundled rules have 24 types)
 MAX_TAINTS = 32                  # taints kept per node
 TEXT_MAX = 256                   # each text kept (a condition's type or reason, a taint's parts)
@@ -321,14 +321,10 @@ def read_annotation(value: str | None) -> tuple[tuple[UnhealthyGpu, ...], str]:
     """The annotation's GPUs and "", or none and why it was not read: longer than ANNOTATION_MAX (not
     parsed at all), not what gpu-npd writes, more than MAX_GPUS GPUs, or one GPU twice. An annotation a
     node could never have is not counted, so a planted one cannot make the summary's counts what it says."""
-    if value is not None and len(value) > ANNOTATION_MAX:
-        return (), f"{UNHEALTHY_GPUS} is {len(value)} characters, more than the {ANNOTATION_MAX} read: not parsed"
     try:
-        gpus = read_unhealthy_gpus(value)
+        gpus = read_unhealthy_gpus(value)         # refuses a value over ANNOTATION_MAX unparsed
     except ValueError as e:
         return (), _clip(str(e), TEXT_MAX)
-    except RecursionError:                     # JSON nested deeper than Python's decoder goes: not gpu-npd's
-        return (), f"{UNHEALTHY_GPUS} is JSON nested too deeply: not parsed"
     if len(gpus) > MAX_GPUS:
         return (), f"{UNHEALTHY_GPUS} lists {len(gpus)} GPUs, more than the {MAX_GPUS} a node can have: not counted"
     ids = [(g.index, g.pci_bus_id, g.uuid) for g in gpus]

@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import urllib3
 
-from detector.kube.api import ApiError, KubeApi, end_watch
+from detector.kube.api import MAX_LIST_BYTES, ApiError, KubeApi, end_watch
 from detector.kube.pacing import Backoff
 
 log = logging.getLogger("gpu_npd.sim")
@@ -73,7 +73,7 @@ class NodeWatch:
                 self._stop.wait(1.0)
 
     def _list(self) -> None:
-        collection = self.api.list_node_collection(self.selector)
+        collection = self.api.list_node_collection(self.selector, max_bytes=MAX_LIST_BYTES)
         self.lists += 1
         for node in collection.get("items") or []:
             self.on_node(node)

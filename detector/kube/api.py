@@ -89,9 +89,11 @@ class RequestCounts:
 class KubeApi:
     def __init__(self, connection: Connection, qps: float = 5.0, burst: int = 10,
                  counts: RequestCounts | None = None, sleep: Callable[[float], None] = time.sleep,
-                 pool: urllib3.PoolManager | None = None, pool_size: int = 4, health: ApiHealth | None = None):
+                 pool: urllib3.PoolManager | None = None, pool_size: int = 4, health: ApiHealth | None = None,
+                 watchdog: Watchdog | None = None):
         """`pool_size`: connections kept open; the fleet simulator shares one client among its workers.
-        `health` hears every request's outcome (the daemon's outage log and readiness)."""
+        `health` hears every request's outcome (the daemon's outage log and readiness). `watchdog` ends
+        requests at their deadline: clients of one process share one (a thread, started on first use)."""
         self.connection = connection
         self.health = health
         self.http = pool or connection.pool(pool_size)
@@ -99,7 +101,7 @@ class KubeApi:
         self.counts = counts or RequestCounts()
         self._limiter_lock = threading.Lock()
         self._sleep = sleep
-        self.watchdog = Watchdog()
+        self.watchdog = watchdog or Watchdog()
         guard_pool(self.http)
 
     @classmethod

@@ -165,7 +165,10 @@ class guarded:
         return self.guard
 
     def __exit__(self, *exc: object) -> None:
-        _current.reset(self._token)
+        try:
+            _current.reset(self._token)
+        except ValueError:
+            _current.set(None)        # a watch generator closed from another context: nothing to restore
         assert self.guard is not None
         self.watchdog.disarm(self.guard)
 

@@ -127,7 +127,8 @@ class DeviceTaintSink(AgentSink):
         for effect in (s.degraded_effect, s.failed_effect):
             if effect is not None and effect not in EFFECTS:
                 raise ValueError(f"device taint effect {effect!r}: one of {', '.join(EFFECTS)} or None")
-        self.api = KubeApi(api.connection, qps=s.qps, burst=s.burst, counts=api.counts, pool=api.http)
+        self.api = KubeApi(api.connection, qps=s.qps, burst=s.burst, counts=api.counts, pool=api.http,
+                           watchdog=api.watchdog)
         self.node, self.clock = node, clock
         self.wake = threading.Event()
         self.backoff = Backoff(s.backoff_base_s, s.backoff_cap_s, rng or random.Random(), refused_s=s.refused_retry_s)

@@ -215,7 +215,8 @@ class NodeWatch:
         (same request counts, own connection pool, no ApiHealth). `on_change` is called from the watch's
         thread; it must be quick (the daemon's sets two flags)."""
         self.settings = s = settings or NodeWatchSettings()
-        self.api = KubeApi(api.connection, qps=s.qps, burst=s.burst, counts=api.counts, pool=api.connection.pool(2))
+        self.api = KubeApi(api.connection, qps=s.qps, burst=s.burst, counts=api.counts, pool=api.connection.pool(2),
+                           watchdog=api.watchdog)
         self.node, self.on_change, self.clock = node, on_change, clock
         rng = rng or random.Random()
         self._lock = threading.Lock()

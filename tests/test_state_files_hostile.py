@@ -131,7 +131,7 @@ def test_a_link_at_the_state_file_itself_is_moved_aside_and_replaced_not_followe
 def test_a_fifo_history_neither_hangs_the_sweep_nor_stops_the_history(registry, rules, tmp_path, caplog):
     fifo(tmp_path / HISTORY_FILE)
     agent = agent_on(registry, rules, tmp_path)
-    with caplog.at_level(logging.WARNING):
+    with caplog.at_level(logging.WARNING, "gpu_npd"):
         finishes(lambda: agent.run(agent.checks))
     warnings = [r.getMessage() for r in caplog.records if "GPU history" in r.getMessage()]
     assert len(warnings) == 1 and "is a FIFO, not a regular file" in warnings[0]
@@ -263,7 +263,7 @@ def test_an_unusable_clear_request_is_one_warning_and_clears_nothing(registry, r
     agent.run(agent.checks)
     assert {s.type: s.active for s in agent.conditions()}["GpuXidError"]
     make(tmp_path / CLEAR_FILE)
-    with caplog.at_level(logging.WARNING):
+    with caplog.at_level(logging.WARNING, "gpu_npd"):
         finishes(lambda: agent.run(agent.checks))
         finishes(lambda: agent.run(agent.checks))
     warnings = [r.getMessage() for r in caplog.records if "clear request" in r.getMessage()]

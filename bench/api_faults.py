@@ -15,9 +15,9 @@ timeline (an XID 79 on GPU 5 at a chosen second) is set by the scenario.
   120), /healthz 200 (every loop alive).
 - endless-line: every node watch is one line that never ends. Figure: the daemon's peak RSS (bound: 120
   MiB), and an XID 79 at 10 s still reaching the API server.
-- trickle: once the daemon has reported, every request is answered at 1 byte/s; XID 79 at 15 s needs a
-  report. Figure: seconds from the XID to /readyz 503 (bound: 60); then the proxy heals and the seconds
-  to /readyz 200 and the XID's condition on the API server (bound: 120).
+- trickle: once the daemon has reported, every answer comes at 1 byte/s (XID 79 at 20 s: a report is due).
+  Figure: seconds from the first trickled answer to /readyz 503 (bound: 60); then the proxy heals, and the
+  seconds to /readyz 200 and to the XID's condition on the API server (bound: 120).
 
 Prints a table (scenario, figure, bound, verdict), then a JSON object of the figures as its last line.
 Exits 1 when a bound is broken (the daemon's log is kept and named), 0 otherwise, 2 on bad usage.
@@ -124,13 +124,17 @@ class Rig:
 
     def get(self, path: str) -> int:
         """The daemon's answer to GET path: its status, or 0 when it does not answer."""
+        return self.get_text(path)[0]
+
+    def get_text(self, path: str) -> tuple[int, str]:
+        """The daemon's status and body for GET path; (0, why) when it does not answer."""
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}", timeout=5) as response:
-                return response.status
+                return response.status, response.read().decode(errors="replace")
         except urllib.error.HTTPError as e:
-            return e.code
-        except OSError:
-            return 0
+            return e.code, e.read().decode(errors="replace")
+        except OSError as e:
+            return 0, str(e)
 
     def alive(self) -> bool:
         return self.child is not None and self.child.poll() is None
@@ -138,6 +142,10 @@ class Rig:
     def xid_condition(self) -> bool:
         return any(c["type"] == "GpuXidError" and c["status"] == "True"
                    for c in self.emulator.node(NODE)["status"].get("conditions", []))
+
+    def reported(self) -> bool:
+        """The daemon's conditions are on the node (kubelet's own are Ready and the pressures)."""
+        return any(c["type"].startswith("Gpu") for c in self.emulator.node(NODE)["status"].get("conditions", []))
 
     def memory_mib(self) -> dict[str, float]:
         """VmHWM (the peak resident set since start) and VmRSS of the child, MiB."""
@@ -245,18 +253,23 @@ class FirstOfEachKind:
     """Matches the first request of each (method, path without query, watch or not): one 429 on every path."""
 
     def __init__(self) -> None:
-        self.seen: set[tuple[str, str, bool]] = set()
+        self.kinds: set[tuple[str, str, bool]] = set()
+        self.given: list[Seen] = []
 
     def __call__(self, seen: Seen) -> bool:
         key = (seen.method, seen.path.split("?", 1)[0], seen.watch)
-        if key in self.seen:
+        if key in self.kinds:
             return False
-        self.seen.add(key)
+        self.kinds.add(key)
+        self.given.append(seen)
         return True
 
 
 def retry_after(name: str, rig: Rig, seconds: float) -> Result:
-    """A huge or infinite Retry-After once on every path: the XID's condition still arrives, every loop lives."""
+    """A huge or infinite Retry-After once on every path: the XID's condition still arrives, every loop lives.
+
+    The 429s of a path the report needs (GET node at start, then PATCH nodes/status) come one after another,
+    so the condition is timed from the XID and from the first 429."""
     assert rig.hostile is not None
     value = name.removeprefix("retry-after-")
     first = FirstOfEachKind()
@@ -265,13 +278,20 @@ def retry_after(name: str, rig: Rig, seconds: float) -> Result:
     rig.sleep_until(rig.xid_at)
     arrived = rig.wait(rig.xid_condition, CONDITION_BOUND_S + 5)
     healthz = rig.get("/healthz")
+    given = [(round(s.at - rig.spawned, 1), f"{s.method} {s.path.split('?', 1)[0]}{' (watch)' if s.watch else ''}")
+             for s in first.given]
+    since_first = None if arrived is None or not first.given else rig.xid_at + arrived - first.given[0].at
     figures = {"retry_after": value, "condition_after_xid_s": None if arrived is None else round(arrived, 1),
-               "healthz": healthz, "alive": rig.alive(),
-               "paths_given_429": sorted(f"{m} {p}{' (watch)' if w else ''}" for m, p, w in first.seen)}
+               "condition_after_first_429_s": None if since_first is None else round(since_first, 1),
+               "healthz": healthz, "alive": rig.alive(), "429_at_s": given}
     ok = arrived is not None and arrived <= CONDITION_BOUND_S and healthz == 200
-    text = (f"XID condition on the API server {arrived:.1f} s after the XID" if arrived is not None else
-            f"XID condition not on the API server after {CONDITION_BOUND_S + 5:.0f} s")
-    return Result(name, f"{text}; /healthz {healthz}; {len(first.seen)} paths got one 429",
+    if arrived is None:
+        text = f"XID condition not on the API server after {CONDITION_BOUND_S + 5:.0f} s"
+    else:
+        text = f"XID condition on the API server {arrived:.1f} s after the XID"
+        if since_first is not None:
+            text += f" ({since_first:.1f} s after the first 429)"
+    return Result(name, f"{text}; /healthz {healthz}; {len(given)} paths got one 429",
                   f"<= {CONDITION_BOUND_S:.0f} s, /healthz 200", ok, figures)
 
 
@@ -303,21 +323,34 @@ def endless(name: str, rig: Rig, seconds: float) -> Result:
 
 
 def trickled(name: str, rig: Rig, seconds: float) -> Result:
-    """Every answer at 1 byte/s once the daemon has reported: /readyz says so; reports resume after healing."""
+    """Every answer at 1 byte/s once the daemon has reported: /readyz says so; reports resume after healing.
+
+    The XID fires while the answers trickle, so a report is due; its condition must arrive once healed."""
     assert rig.hostile is not None and rig.xid_at_s is not None
     rig.start_daemon()
-    ready = rig.wait(lambda: rig.get("/readyz") == 200, rig.xid_at_s - 2)
+    ready = rig.wait(lambda: rig.get("/readyz") == 200 and rig.reported(), rig.xid_at_s - 5)
     if ready is None:
-        return Result(name, f"the daemon was not ready within {rig.xid_at_s - 2:.0f} s of starting: nothing measured",
-                      "-", False, {"alive": rig.alive()})
+        return Result(name, f"the daemon had not reported within {rig.xid_at_s - 5:.0f} s of starting: nothing "
+                      "measured", "-", False, {"alive": rig.alive()})
     trickle_from = time.monotonic()
     rig.hostile.when(lambda seen: True, trickle(1.0))
-    rig.sleep_until(rig.xid_at)
-    unready = rig.wait(lambda: rig.get("/readyz") == 503, READYZ_BOUND_S + 30, poll_s=0.5)
+    reasons: dict[str, float] = {}                          # each distinct 503 reason: seconds into the trickle
+
+    def unready() -> bool:
+        code, text = rig.get_text("/readyz")
+        if code != 503:
+            return False
+        reasons.setdefault(text.strip()[:200], round(time.monotonic() - trickle_from, 1))
+        return not _impossible_overdue(text, time.monotonic() - rig.spawned)
+
+    unready_s = rig.wait(unready, READYZ_BOUND_S + 30, poll_s=0.5)
+    rig.sleep_until(rig.xid_at + 1)                         # the XID is in the daemon before the proxy heals
     figures: dict[str, Any] = {"ready_after_start_s": round(ready, 1),
-                               "readyz_503_after_xid_s": None if unready is None else round(unready, 1),
-                               "readyz_503_after_trickle_s": None if unready is None else
-                               round(unready + rig.xid_at - trickle_from, 1)}
+                               "readyz_503_after_trickle_s": None if unready_s is None else round(unready_s, 1),
+                               "readyz_503_reasons": reasons,
+                               "xid_after_trickle_s": round(rig.xid_at - trickle_from, 1),
+                               "trickled_requests": rig.hostile.count(lambda seen: True, since=trickle_from)}
+    bogus = [(at, why) for why, at in reasons.items() if _impossible_overdue(why, 1e9)]
     rig.hostile.clear()
     healed = time.monotonic()
     back = rig.wait(lambda: rig.get("/readyz") == 200, RESUME_WAIT_S)
@@ -326,12 +359,20 @@ def trickled(name: str, rig: Rig, seconds: float) -> Result:
     figures |= {"readyz_200_after_heal_s": None if back is None else round(back, 1),
                 "condition_after_heal_s": None if reported_s is None else round(reported_s, 1),
                 "healthz": rig.get("/healthz"), "alive": rig.alive()}
-    ok = unready is not None and unready <= READYZ_BOUND_S and back is not None and reported_s is not None
-    text = (f"/readyz 503 {unready:.1f} s after the XID" if unready is not None else
-            f"/readyz never 503 in {READYZ_BOUND_S + 30:.0f} s after the XID")
+    ok = unready_s is not None and unready_s <= READYZ_BOUND_S and back is not None and reported_s is not None
+    text = (f"/readyz 503 {unready_s:.1f} s into the trickle" if unready_s is not None else
+            f"/readyz never 503 in {READYZ_BOUND_S + 30:.0f} s of trickle")
+    if bogus:
+        text += f" (and at {bogus[0][0]:.1f} s with an impossible reason: {bogus[0][1][:60]!r})"
     text += "; healed: " + (f"/readyz 200 after {back:.1f} s" if back is not None else "/readyz never 200")
     text += ", " + (f"XID condition after {reported_s:.1f} s" if reported_s is not None else "XID condition never")
     return Result(name, text, f"503 <= {READYZ_BOUND_S:.0f} s, resumes", ok, figures)
+
+
+def _impossible_overdue(text: str, up_s: float) -> bool:
+    """'a report is Ns overdue' with N beyond the daemon's lifetime: a wrong clock, not a late report."""
+    found = re.search(r"a report is (\d+)s overdue", text)
+    return found is not None and int(found.group(1)) > up_s + 1
 
 
 @dataclass(frozen=True)
@@ -345,7 +386,7 @@ SCENARIOS: dict[str, Scenario] = {
     "retry-after-100000": Scenario(retry_after, 5.0),
     "retry-after-inf": Scenario(retry_after, 5.0),
     "endless-line": Scenario(endless, 10.0),
-    "trickle": Scenario(trickled, 15.0),
+    "trickle": Scenario(trickled, 20.0),
 }
 QUICK = ("gone", "429", "endless-line")
 QUICK_SECONDS = 5.0

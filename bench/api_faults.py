@@ -340,7 +340,8 @@ def trickled(name: str, rig: Rig, seconds: float) -> Result:
         code, text = rig.get_text("/readyz")
         if code != 503:
             return False
-        reasons.setdefault(text.strip()[:200], round(time.monotonic() - trickle_from, 1))
+        if re.sub(r"\d+", "N", text) not in {re.sub(r"\d+", "N", r) for r in reasons}:   # first of each kind
+            reasons[text.strip()[:200]] = round(time.monotonic() - trickle_from, 1)
         return not _impossible_overdue(text, time.monotonic() - rig.spawned)
 
     unready_s = rig.wait(unready, READYZ_BOUND_S + 30, poll_s=0.5)

@@ -196,6 +196,9 @@ RUN: dict[str, Spec] = {
         expect=r"^nothing is wrong: 0 GPU nodes", why="the emulator the block started: gpu-17 has no GPU label"),
     ".venv/bin/python bench/fleet_view.py": Spec(append="--nodes 300 --runs 1", why=SCALED, timeout=60),
     ".venv/bin/python bench/flood.py": Spec(append="--lines 3000 --xid-every 500", why=SCALED, timeout=120),
+    ".venv/bin/python bench/api_faults.py": Spec(append="--quick", why=SCALED, timeout=90),
+    ".venv/bin/python bench/api_faults.py --scenario gone --seconds 180": Spec(
+        subst=(("--seconds 180", "--seconds 3"),), why=SCALED, timeout=60),
 }
 
 # Redirected for every command: fixed ports and root-owned paths the documented commands default to.

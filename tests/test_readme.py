@@ -198,6 +198,9 @@ RUN: dict[str, Spec] = {
     ".venv/bin/python bench/endpoint_slowloris.py": Spec(append="--connections 200 --duration 1 --settle 1",
                                                          why=SCALED),
     ".venv/bin/python bench/flood.py": Spec(append="--lines 3000 --xid-every 500", why=SCALED, timeout=120),
+    ".venv/bin/python bench/api_faults.py": Spec(append="--quick", why=SCALED, timeout=90),
+    ".venv/bin/python bench/api_faults.py --scenario gone --seconds 180": Spec(
+        subst=(("--seconds 180", "--seconds 3"),), why=SCALED, timeout=60),
 }
 
 # Redirected for every command: fixed ports and root-owned paths the documented commands default to.

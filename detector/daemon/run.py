@@ -198,8 +198,8 @@ class Daemon:
             t.join(timeout=max(0.0, deadline - time.monotonic()))
         stuck = [t.name for t in threads if t.is_alive()]
         if stuck:
-            log.warning("stopping without waiting for %s (a check is still running: hung NVML or nvidia-smi?)",
-                        ", ".join(stuck))
+            log.warning("stopping without waiting for %s (a check or an API request still running: hung NVML, "
+                        "nvidia-smi or API server?)", ", ".join(stuck))
         self._final_flush()
         self.endpoints.stop()
         try:

@@ -9,12 +9,12 @@ here raises into the daemon: `current()` is the latest NodeStatus (None until th
 it does not exist).
 
 Gentle when the API server is in trouble: every failure waits a jittered, doubling backoff from the first
-one (2.5 s, then 5, 10, ... up to the watch period itself, 5 minutes), and a watch that ends before it has
+one (2-4 s, then 4-8, 8-16, ... up to the watch period itself, 5 minutes), and a watch that ends before it has
 lived `healthy_watch_s` counts as a failure too, however it ended (at once, after a bookmark, with a 410):
 only a watch that lived resets the backoff, and only a 410 ending such a watch is listed again at once.
 So a server or proxy that answers every watch with 410, or ends every watch at once, or answers 429 or 5xx,
-gets at most 12 node LIST/WATCH requests in any minute from one daemon (the waits' lower bounds, 1.25 +
-2.5 + 5 + 10 + 20 s, leave room for six LIST+WATCH rounds), falling to the normal one watch per 5 minutes
+gets at most 12 node LIST/WATCH requests in any minute from one daemon (the waits' lower bounds, 2 + 4 +
+8 + 16 + 32 = 62 s, leave room for five LIST+WATCH rounds: 10 requests), falling to the normal one watch per 5 minutes
 as the fault lasts. A reply of the wrong shape is a failure like any other: one log line per failing spell.
 
 `on_change` fires only when something a check reads changed: capacity, allocatable, labels,
@@ -70,7 +70,7 @@ class NodeWatchSettings:
     driver: str = NVIDIA_DRA_DRIVER
     qps: float = 2.0
     burst: int = 5
-    backoff_base_s: float = 2.5             # the first failure waits 1.25-2.5 s, each further one twice that
+    backoff_base_s: float = 4.0             # the first failure waits 2-4 s, each further one twice that
     backoff_cap_s: float = float(WATCH_TIMEOUT_S)   # a lasting fault costs what a working watch does
     refused_retry_s: float = 300.0          # after a 401/403: ask again this rarely
     healthy_watch_s: float = HEALTHY_WATCH_S     # only a watch that lived this long resets the backoff

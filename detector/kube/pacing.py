@@ -42,10 +42,11 @@ class TokenBucket:
         return 0.0 if self.tokens >= 1 else (1 - self.tokens) / self.rate
 
 
-# Retry-After asks for a pause; a real API server asks for a second or a few (priority and fairness, a
-# starting server). A minute is past any honest request and short enough that a report delayed by one
-# hostile or broken header still reaches the API server within two minutes.
-RETRY_AFTER_CAP_S = 60.0
+# Retry-After asks for a pause; a real API server asks for a second or a few (priority and fairness answer
+# 429 with `Retry-After: 1`). Obeyed up to 30 s, the longest the reporter's own backoff ever waits: a
+# report takes two requests (read the node, patch its status), so even when a hostile or broken header
+# delays both, the conditions reach the API server within a minute and a half, not never.
+RETRY_AFTER_CAP_S = 30.0
 
 
 def honoured(retry_after_s: float | None) -> float:

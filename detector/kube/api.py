@@ -225,6 +225,7 @@ class KubeApi:
         query = _query(watch="1", allowWatchBookmarks="true", resourceVersion=resource_version,
                        timeoutSeconds=str(int(timeout_s)), labelSelector=label_selector, fieldSelector=field_selector)
         read_timeout = urllib3.Timeout(connect=5.0, read=timeout_s + 30.0)
+        self._pace()
         with guarded(self.watchdog, timeout_s + WATCH_GRACE_S) as guard:
             response = self._send("watch", resource, "GET", path + query, timeout=read_timeout, stream=True,
                                   guard_fired=lambda: guard.fired)
@@ -253,7 +254,9 @@ class KubeApi:
     def _call(self, verb: str, resource: str, method: str, path: str, body: Any = None,
               content_type: str = "application/json", name: str = "", max_bytes: int = MAX_BODY_BYTES
               ) -> dict[str, Any]:
-        """One request and its JSON object, within REQUEST_DEADLINE_S and `max_bytes`."""
+        """One request and its JSON object, within REQUEST_DEADLINE_S (from when the client-side rate limit
+        lets it go: a queue behind the limiter is our own doing, not the server's) and `max_bytes`."""
+        self._pace()
         with guarded(self.watchdog, REQUEST_DEADLINE_S) as guard:
             response = self._send(verb, resource, method, path, body, content_type, name, stream=True,
                                   guard_fired=lambda: guard.fired)
@@ -287,9 +290,8 @@ class KubeApi:
     def _send(self, verb: str, resource: str, method: str, path: str, body: Any = None,
               content_type: str = "application/json", name: str = "", timeout: urllib3.Timeout = REQUEST_TIMEOUT,
               stream: bool = False, guard_fired: Callable[[], bool] = lambda: False) -> urllib3.BaseHTTPResponse:
-        """One request, paced and counted; a 2xx response (its body unread when `stream`), else ApiError.
-        `guard_fired` says whether a failure is the request's deadline passing."""
-        self._pace()
+        """One request (already paced), counted; a 2xx response (its body unread when `stream`), else
+        ApiError. `guard_fired` says whether a failure is the request's deadline passing."""
         headers = {"Accept": "application/json", "User-Agent": USER_AGENT}
         token = self.connection.bearer()
         if token:

@@ -19,7 +19,10 @@ depends on.
 from __future__ import annotations
 
 import re
-from decimal import Decimal, localcontext
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:                # decimal is imported when a quantity is first read: the daemon of a node
+    from decimal import Decimal  # whose checks never read one keeps its half a MiB
 
 MAX_LENGTH = 64            # the API server's quantities are short; a longer string is junk, not a number
 MAX_EXPONENT = 1000        # beyond any resource; keeps "1e999999999" from building a huge number
@@ -35,6 +38,8 @@ _QUANTITY = re.compile(r"(?P<sign>[+-]?)(?P<number>[0-9]+(?:\.[0-9]*)?|\.[0-9]+)
 
 def parse_quantity(text: str) -> Decimal:
     """The exact value of a Kubernetes quantity; ValueError, naming the text, for anything else."""
+    from decimal import Decimal, localcontext  # noqa: PLC0415 - see the import above
+
     if not isinstance(text, str):
         raise ValueError(f"{text!r} is not a quantity (a string such as 8, 8k or 500m)")
     if len(text) > MAX_LENGTH:

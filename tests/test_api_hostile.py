@@ -37,10 +37,11 @@ NODE = "gpu-1"
 # -- finding 1: Retry-After ------------------------------------------------------------------------
 
 @pytest.mark.parametrize("header, seconds", [
-    ("1", 1.0), ("100000", 60.0), ("inf", None), ("Infinity", None), ("nan", None), ("-5", 0.0),
+    ("1", 1.0), ("100000", pacing.RETRY_AFTER_CAP_S), ("inf", None), ("Infinity", None), ("nan", None), ("-5", 0.0),
     ("1e400", None), ("Wed, 21 Oct 2026 07:28:00 GMT", None), ("", None)])
 def test_retry_after_is_finite_and_at_most_a_minute(header: str, seconds: float | None) -> None:
     assert retry_after({"Retry-After": header}) == seconds
+    assert (retry_after({"Retry-After": header}) or 0.0) <= 60.0
 
 
 @pytest.mark.parametrize("asked", [100000.0, float("inf"), float("nan"), 1e308])
@@ -87,7 +88,7 @@ def xid79_reported(local) -> bool:
 @pytest.mark.parametrize("header", ["100000", "inf"])
 def test_a_hostile_retry_after_on_every_path_delays_reports_by_the_cap_at_most(
         emulator, hostile, tmp_path, monkeypatch, header) -> None:
-    """The cap is scaled from 60 s to 2 s here (bench/api_faults.py runs the real one): one 429 with
+    """The cap is scaled from 30 s to 2 s here (bench/api_faults.py runs the real one): one 429 with
     `Retry-After: 100000` (or `inf`) on each request, then a healthy server; GPU 3's XID 79 reaches the
     node within the cap plus the backoff, and every thread of the daemon is alive and healthy."""
     monkeypatch.setattr(api_module, "RETRY_AFTER_CAP_S", 2.0)
@@ -177,9 +178,10 @@ def most_in_a_minute(requests: list[tuple[float, str]]) -> int:
 
 @pytest.mark.parametrize("fault", ["gone", "ends-at-once", "bookmark", "429", "5xx", "malformed"])
 @pytest.mark.parametrize("seed", range(5))
-def test_a_faulty_server_gets_at_most_12_node_requests_in_any_minute(fault: str, seed: int) -> None:
+def test_a_faulty_server_gets_at_most_10_node_requests_in_any_minute(fault: str, seed: int) -> None:
+    """The issue's bound is 12; the waits' lower bounds (2 + 4 + 8 + 16 + 32 s) leave five rounds: 10."""
     requests = follow_under(fault, 3600.0, seed=seed)
-    assert most_in_a_minute(requests) <= 12
+    assert most_in_a_minute(requests) <= 10
     late = [t for t, _ in requests if t >= 3000.0]     # an hour in: rounds at least half a watch period apart
     assert len(late) <= 2 * (600 / (NodeWatchSettings().backoff_cap_s / 2) + 1)
 
@@ -192,14 +194,14 @@ def test_a_working_watch_is_one_request_per_watch_period() -> None:
 
 def test_node_watch_requests_on_the_wire_with_the_real_defaults(emulator, hostile, tmp_path) -> None:
     """410 on every watch, the daemon's own node watch, its default backoff: the first seconds hold the
-    budget's pace (rounds at 0, >= 1.25 s and >= 3.75 s: at most 6 LIST/WATCH requests in 5 s)."""
+    budget's pace (rounds at 0 and >= 2 s, the next not before 6 s: at most 4 LIST/WATCH requests in 5 s)."""
     hostile.when(node_watch, watch_lines(GONE))
     began = time.monotonic()
     local = start_daemon(emulator, hostile, tmp_path)
     try:
         time.sleep(5.0)
         count = hostile.count(lambda s: s.is_node_list_or_watch(), began)
-        assert 2 <= count <= 6
+        assert 2 <= count <= 4
         assert local.daemon.node_watch.nodes.lists == count // 2 or local.daemon.node_watch.nodes.lists >= 2
     finally:
         local.stop()
@@ -281,7 +283,7 @@ def test_malformed_watch_replies_are_one_line_and_a_growing_backoff(emulator, ho
         local.node.inject(Fault("xid", gpu=3, params={"code": 79}))
         assert local.wait_for(lambda: xid79_reported(local), 10.0)        # reports go on
         time.sleep(4.0)
-        assert hostile.count(node_watch) <= 3                             # 0, >= 1.25 s, >= 3.75 s
+        assert hostile.count(node_watch) <= 3                             # at 0, >= 2 s, >= 6 s
         said = [r for r in caplog.records if "watch" in r.getMessage() and r.levelno >= logging.INFO]
         assert sum("failing" in r.getMessage() for r in said) == 1
         assert not any(r.exc_info for r in caplog.records)

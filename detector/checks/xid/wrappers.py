@@ -41,12 +41,15 @@ _LEVELS = r"emerg|alert|crit|err|warn|warning|notice|info|debug"
 _DMESG_X = re.compile(rf"(?P<fac>{_FACILITIES})\s*:\s*(?P<level>{_LEVELS})\s*:\s?")
 _TALOS = re.compile(rf"(?:\S+: )?(?P<fac>{_FACILITIES}):\s*(?P<level>{_LEVELS}):\s*\[(?P<iso>[^\]]+)\]:\s?")
 _ISO = r"\d{4}-\d\d-\d\d[T ]\d\d:\d\d:\d\d(?:[.,]\d+)?(?:Z|[+-]\d\d:?\d\d)?"
+# A month as strftime's %b prints it in any locale: `Oct`, `Okt`, `août`, `déc.`, `févr.`, `ene`, `11月`.
+_MON = r"(?:[^\W\d_]{3,5}\.?|\d{1,2}[月월])"
 _STAMP = re.compile(
     r"(?:\[\s*(?P<mono>\d+(?:\.\d+)?)\]"                                        # dmesg, short-monotonic
     r"|\[\.\.\.\]"                                                               # a stamp the source elided
-    r"|\[(?P<ctime>[A-Z][a-z]{2} [A-Z][a-z]{2} [ \d]?\d \d\d:\d\d:\d\d \d{4})\]"   # dmesg -T
-    r"|(?P<bsd>[^\W\d_]{3,5}\.? {1,2}\d{1,2} \d\d:\d\d:\d\d(?:\.\d+)?)"          # syslog, journalctl
-                                                                                # (any locale's month)
+    r"|\[\s*(?P<rel>\+\d+\.\d+)\]"                                                      # dmesg -H: since the last line
+    rf"|\[(?P<human>{_MON} ?\d{{1,2}} \d\d:\d\d)\]"                                  # dmesg -H: a new minute
+    rf"|\[(?P<ctime>[^\W\d_]{{1,5}}\.? {_MON} [ \d]?\d \d\d:\d\d:\d\d \d{{4}})\]"     # dmesg -T
+    rf"|(?P<bsd>{_MON} {{1,2}}\d{{1,2}} \d\d:\d\d:\d\d(?:\.\d+)?)"                   # syslog, journalctl
     rf"|(?P<iso>{_ISO}))"                                                       # RFC 3339, dmesg iso
     r"\s+"
 )
@@ -91,10 +94,10 @@ def peel(line: str, year: int | None = None) -> Wrapped:
     if m := _STAMP.match(line, pos):
         pos = m.end()
         mono = float(m["mono"]) if m["mono"] else None
-        ring_buffer = bool(m["mono"] or m["ctime"] or m["iso"])
+        ring_buffer = bool(m["mono"] or m["ctime"] or m["iso"] or m["human"] or m["rel"])
         wall = _ctime(m["ctime"]) if m["ctime"] else _iso_time(m["iso"]) if m["iso"] else None
-        if m["bsd"]:
-            wall = _syslog_time(m["bsd"], year)
+        if m["bsd"] or m["human"]:
+            wall = _syslog_time(m["bsd"] or m["human"], year)
         if c := _CALLER.match(line, pos):
             pos = c.end()
         tag_allowed = True
@@ -103,7 +106,7 @@ def peel(line: str, year: int | None = None) -> Wrapped:
     stamped = m is not None or facility_kernel is not None
     tagged = False
     if tag_allowed and (t := _TAG.match(line, pos)) and not t["tag"].startswith(_NOT_TAGS):
-        if m is not None and m["mono"] and not (t["host"] and (t["tag"] == "kernel" or "[" in t[0])):
+        if m is not None and (m["mono"] or m["human"] or m["rel"]) and not (t["host"] and (t["tag"] == "kernel" or "[" in t[0])):
             pass                            # `[ 1.2] usb 1-1: ...`: dmesg's, not journalctl's `host tag:`
         else:
             pos, tagged = t.end(), True
@@ -168,30 +171,63 @@ def _iso_time(text: str) -> float | None:
 
 @lru_cache(maxsize=4096)
 def _ctime(text: str) -> float | None:
-    """dmesg -T prints local time without a zone; it is read as UTC."""
-    try:
-        return datetime.strptime(" ".join(text.split()), "%a %b %d %H:%M:%S %Y").replace(
-            tzinfo=timezone.utc).timestamp()
-    except ValueError:
-        return None
+    """dmesg -T prints local time without a zone, in the locale's names; it is read as UTC."""
+    _weekday, month, day, hms, year = text.split()
+    return _syslog_second(f"{month} {day} {hms}", int(year))
 
 
 def _syslog_time(text: str, year: int | None) -> float | None:
-    base, _, frac = text.partition(".")
+    base, _, frac = text.rpartition(".")
+    if not frac.isdigit():                    # no fraction; a dot ends some months' names (`déc.`)
+        base, frac = text, ""
     second = _syslog_second(" ".join(base.split()), year)
     return None if second is None else second + (float("0." + frac) if frac else 0.0)
+
+
+# strftime's %b in the locales a node is likely to run (journalctl, dmesg -T and -H print the local one);
+# the keys are lowercased and without a trailing dot. Names that several languages share mean the same month.
+_MONTHS: dict[str, int] = {}
+for _names in (
+    "jan feb mar apr may jun jul aug sep oct nov dec",                  # C, English
+    "janv févr mars avr mai juin juil août sept oct nov déc",           # French
+    "jan feb mär apr mai jun jul aug sep okt nov dez",                  # German
+    "ene feb mar abr may jun jul ago sep oct nov dic",                  # Spanish
+    "gen feb mar apr mag giu lug ago set ott nov dic",                  # Italian
+    "jan fev mar abr mai jun jul ago set out nov dez",                  # Portuguese
+    "янв фев мар апр мая июн июл авг сен окт ноя дек",                  # Russian
+):
+    for _number, _name in enumerate(_names.split(), 1):
+        _MONTHS[_name] = _number
+_MONTHS["sept"] = _MONTHS["set"] = 9
+_MONTHS["май"] = 5
+
+
+def _month(name: str) -> int | None:
+    """A month number from %b in any of the locales above, or CJK `11月`/`11월`; None when unknown."""
+    if name[-1] in "月월" and name[:-1].isdigit():
+        return int(name[:-1]) if 1 <= int(name[:-1]) <= 12 else None
+    return _MONTHS.get(name.rstrip(".").lower())
 
 
 @lru_cache(maxsize=4096)
 def _syslog_second(base: str, year: int | None) -> float | None:
     """Syslog stamps have no year: `year`, or else the latest year that does not put the line in the
-    future (a December line read in January is last year's)."""
+    future (a December line read in January is last year's). dmesg -H's minute stamps (`May19 19:57`,
+    `4月21 11:15`) are read the same way, to the minute."""
+    m = _DATE.fullmatch(base)
+    month = _month(m["mon"]) if m else None
+    if m is None or month is None:
+        return None
+    hms = [int(x) for x in m["hms"].split(":")] + [0]
     now = datetime.now(timezone.utc)
     for y in ((year,) if year else (now.year, now.year - 1)):
         try:
-            t = datetime.strptime(f"{y} {base}", "%Y %b %d %H:%M:%S").replace(tzinfo=timezone.utc)
+            t = datetime(y, month, int(m["day"]), hms[0], hms[1], hms[2], tzinfo=timezone.utc)
         except ValueError:
             continue                  # Feb 29 in a year without one
         if year or t.timestamp() <= now.timestamp() + 86400:
             return t.timestamp()
     return None
+
+
+_DATE = re.compile(r"(?P<mon>[^\d\s]+|\d{1,2}[月월]) ?(?P<day>\d{1,2}) (?P<hms>\d\d:\d\d(?::\d\d)?)")

@@ -12,8 +12,9 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable
 
+from detector.core import saved
 from detector.core.check import COMMON_FIELDS
 from detector.backends.quarantine import kept_at
 from detector.backends.safefile import UnsafeFile, read_text_bounded, write_atomic
@@ -71,47 +72,23 @@ class Latch:
     def from_dict(cls, d: Any) -> "Latch":
         """A latch as saved; ValueError when a field has the wrong shape (a hand-edited or planted file must
         not put a number where the agent later formats a message)."""
-        if not isinstance(d, dict):
-            raise ValueError(f"a held problem is {type(d).__name__}, not an object")
-        gpus = d.get("gpus", [])
-        if not isinstance(gpus, list):
-            raise ValueError("gpus is not a list")
-        problem = Problem(rule=_text(d, "rule"), check=_text(d, "check"), type=_text(d, "type"),
-                          reason=_text(d, "reason"), message=_text(d, "message"),
-                          severity=Severity(d["severity"]), action=_text(d, "action"), report="condition",
-                          gpus=tuple(_gpu(g) for g in gpus), time=_number(d, "time"))
+        d = saved.record(d, "a held problem")
+        problem = Problem(rule=saved.text(d, "rule"), check=saved.text(d, "check"), type=saved.text(d, "type"),
+                          reason=saved.text(d, "reason"), message=saved.text(d, "message"),
+                          severity=Severity(d.get("severity")), action=saved.text(d, "action"), report="condition",
+                          gpus=tuple(_gpu(g) for g in saved.listed(d, "gpus", [])), time=saved.number(d, "time"))
         v = d.get("verifying")
-        if v is not None and not isinstance(v, dict):
-            raise ValueError("verifying is not an object")
-        verifying = (Verifying(_number(v, "since"), bool(v["rebooted"]), int(_number(v, "rounds", 0)))
-                     if v else None)
-        return cls(problem, _text(d, "boot"), _number(d, "first"), _number(d, "last"), verifying)
-
-
-def _text(d: Mapping[str, Any], key: str) -> str:
-    value = d[key]
-    if not isinstance(value, str):
-        raise ValueError(f"{key} is {type(value).__name__}, not a string")
-    return value
-
-
-def _number(d: Mapping[str, Any], key: str, default: float | None = None) -> float:
-    value = d.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
-        raise ValueError(f"{key} is {value!r}, not a number")
-    return float(value)
+        verifying = None
+        if v is not None:
+            v = saved.record(v, "verifying")
+            verifying = Verifying(saved.number(v, "since"), bool(v.get("rebooted")), int(saved.number(v, "rounds", 0)))
+        return cls(problem, saved.text(d, "boot"), saved.number(d, "first"), saved.number(d, "last"), verifying)
 
 
 def _gpu(g: Any) -> GpuRef:
-    if not isinstance(g, dict):
-        raise ValueError(f"a GPU is {type(g).__name__}, not an object")
-    index = g.get("index")
-    if index is not None and (isinstance(index, bool) or not isinstance(index, int)):
-        raise ValueError(f"GPU index {index!r} is not a whole number")
-    ids = [g.get(k) for k in ("uuid", "pci_bus_id")]
-    if any(x is not None and not isinstance(x, str) for x in ids):
-        raise ValueError("a GPU's uuid or pci_bus_id is not a string")
-    return GpuRef(index, *ids)
+    g = saved.record(g, "a GPU")
+    return GpuRef(saved.whole_or_none(g.get("index"), "GPU index"), saved.text(g, "uuid", None),
+                  saved.text(g, "pci_bus_id", None))
 
 
 @dataclass

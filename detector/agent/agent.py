@@ -20,6 +20,7 @@ from typing import Any, Callable, Iterable, Sequence
 from detector.agent.active import PROBLEMS_LIMIT, ActiveProblems, ConditionStatus, Latch
 from detector.backends.quarantine import kept_at
 from detector.backends.safefile import read_text_bounded, write_atomic
+from detector.core import saved
 from detector.core.check import Check
 from detector.core.gpu_health import APPLICATION_ACTIONS, GpuHealth, carry_since, fuller, gpu_health, gpu_key
 from detector.core.inventory import Inventory
@@ -443,14 +444,10 @@ def write_clear_request(state_dir: Path, types: Sequence[str], now: float) -> Pa
 
 def clear_request_of(request: Any, now: float) -> tuple[set[str] | None, float]:
     """The condition types a clear request names (None: all) and its time; ValueError for another shape."""
-    if not isinstance(request, dict):
-        raise ValueError(f"a clear request is a JSON object, not {type(request).__name__}")
-    types, when = request.get("types"), request.get("time", now)
+    types = saved.record(request, "a clear request").get("types")
     if types is not None and not (isinstance(types, list) and all(isinstance(t, str) for t in types)):
         raise ValueError("its types are not a list of condition types")
-    if isinstance(when, bool) or not isinstance(when, (int, float)) or when != when:
-        raise ValueError(f"its time {when!r} is not a number")
-    return (set(types) if types else None), float(when)
+    return (set(types) if types else None), saved.number(request, "time", now)
 
 
 def read_json(path: Path, limit: int, what: str) -> Any:

@@ -22,6 +22,7 @@ from typing import Any
 
 from detector.backends.quarantine import kept_at
 from detector.backends.safefile import UnsafeFile, read_text_bounded, write_atomic
+from detector.core import saved
 
 HISTORY_FILE = "history.json"
 VERSION = 1
@@ -212,50 +213,19 @@ def _parse(data: Any) -> tuple[list[BootRecord], dict[str, GpuRecord]]:
         found = data.get("version") if isinstance(data, dict) else None
         raise ValueError(f"version {found!r}, this gpu-npd reads {VERSION}")
     boots = []
-    for b in _list(data, "boots"):
-        problems = _object(b).get("problems", {})
-        if not isinstance(problems, dict):
-            raise ValueError("a boot's problems are not an object")
-        boots.append(BootRecord(_text(b, "boot"), _number(b, "first_seen"),
-                                {str(k): _number(problems, k) for k in problems}, _text(b, "maintenance", "")))
+    for b in saved.listed(data, "boots"):
+        problems = saved.record(saved.record(b).get("problems", {}), "a boot's problems")
+        boots.append(BootRecord(saved.text(b, "boot"), saved.number(b, "first_seen"),
+                                {str(k): saved.number(problems, k) for k in problems},
+                                saved.text(b, "maintenance", "")))
     gpus: dict[str, GpuRecord] = {}
-    for g in _list(data, "gpus"):
-        index = _object(g).get("index")
-        if index is not None and (isinstance(index, bool) or not isinstance(index, int)):
-            raise ValueError(f"GPU index {index!r} is not a whole number")
-        record = GpuRecord(_text(g, "key"), _text(g, "serial", None), _text(g, "uuid", None),
-                           _text(g, "pci_bus_id", None), index,
-                           [Incident(_number(i, "time"), _text(i, "boot"), _text(i, "reason"), _text(i, "action"),
-                                     _text(i, "message", "")) for i in map(_object, _list(g, "incidents"))])
+    for g in saved.listed(data, "gpus"):
+        record = GpuRecord(saved.text(g, "key"), saved.text(g, "serial", None), saved.text(g, "uuid", None),
+                           saved.text(g, "pci_bus_id", None), saved.whole_or_none(saved.record(g).get("index"),
+                                                                                  "GPU index"),
+                           [Incident(saved.number(i, "time"), saved.text(i, "boot"), saved.text(i, "reason"),
+                                     saved.text(i, "action"), saved.text(i, "message", ""))
+                            for i in saved.listed(g, "incidents")])
         gpus[record.key] = record
     return boots, gpus
 
-
-_REQUIRED: Any = object()
-
-
-def _object(value: Any) -> dict[str, Any]:
-    if not isinstance(value, dict):
-        raise ValueError(f"a record is {type(value).__name__}, not an object")
-    return value
-
-
-def _list(d: Any, key: str) -> list[Any]:
-    value = _object(d)[key]
-    if not isinstance(value, list):
-        raise ValueError(f"{key} is {type(value).__name__}, not a list")
-    return value
-
-
-def _text(d: Any, key: str, default: Any = _REQUIRED) -> Any:
-    value = _object(d)[key] if default is _REQUIRED else _object(d).get(key, default)
-    if value is not default and not isinstance(value, str):
-        raise ValueError(f"{key} is {value!r}, not a string")
-    return value
-
-
-def _number(d: Any, key: str) -> float:
-    value = _object(d)[key]
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
-        raise ValueError(f"{key} is {value!r}, not a number")
-    return float(value)

@@ -215,7 +215,7 @@ def test_a_saved_log_may_not_be_a_fifo_or_a_device(tmp_path):
     fifo = tmp_path / "kern.log"
     os.mkfifo(fifo)
     refused(gpu_npd("--kernel-log", str(fifo), timeout=5), "a FIFO, not a regular file")
-    refused(gpu_npd("--kernel-log", "/dev/zero", timeout=20), "a device, not a regular file")
+    refused(gpu_npd("--kernel-log", "/dev/zero", timeout=20), "a character device, not a regular file")
 
 
 def _peak_rss_mib(log: Path) -> tuple[float, dict]:

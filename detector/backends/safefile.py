@@ -5,9 +5,9 @@ log, its state directory on a hostPath where another pod may have written. A FIF
 read, /dev/zero must not be read until memory runs out, and a symlink planted at a state file's name (or
 its temporary name) must not make root write through it to anywhere else.
 
-- `read_bounded` opens without following a final symlink and without blocking (a FIFO opens at once),
-  refuses anything but a regular file, and reads at most `limit` bytes: more is an error, never a
-  truncated read taken as whole.
+- `open_regular` opens without following a final symlink and without blocking (a FIFO opens at once) and
+  refuses anything but a regular file; `read_bounded` reads such a file whole, at most `limit` bytes:
+  more is an error, never a truncated read taken as whole.
 - `write_atomic` writes a fresh, unpredictable temporary name in the same directory (O_EXCL: it never
   opens what is already there), fsyncs it and renames it over the target, which replaces a link rather
   than writing through it; a crash leaves the old file or the new one, never half of one.
@@ -20,6 +20,7 @@ import os
 import stat
 import tempfile
 from pathlib import Path
+from typing import BinaryIO
 
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _NONBLOCK = getattr(os, "O_NONBLOCK", 0)
@@ -33,38 +34,43 @@ class UnsafeFile(OSError):
         return str(self.strerror)
 
 
-def read_bounded(path: Path | str, limit: int, what: str = "file") -> bytes:
-    """The whole content of the regular file at `path`, at most `limit` bytes.
-
-    Raises FileNotFoundError when it is absent, UnsafeFile (with one line for a person) when it is a link,
-    a FIFO, a device, a directory or larger than `limit`, and OSError for other failures."""
-    path = Path(path)
+def open_regular(path: Path | str, what: str = "file", follow_links: bool = False) -> BinaryIO:
+    """`path` opened for reading as a stream, when it is a regular file: opened without blocking (a FIFO
+    would wait for a writer) and, unless `follow_links` (a path a person typed is theirs to link), without
+    following a final symlink. FileNotFoundError when absent; UnsafeFile when it is a link or not a regular
+    file."""
+    flags = os.O_RDONLY | _NONBLOCK | (0 if follow_links else _NOFOLLOW)
     try:
-        fd = os.open(path, os.O_RDONLY | _NOFOLLOW | _NONBLOCK)
+        fd = os.open(path, flags)
     except OSError as e:
-        if e.errno == errno.ELOOP:
+        if e.errno == errno.ELOOP and not follow_links:
             raise UnsafeFile(errno.ELOOP, f"{what} {path} is a symbolic link; gpu-npd reads only regular "
                                           "files it does not have to follow a link to") from None
         raise
     try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise UnsafeFile(errno.EINVAL, f"{what} {path} is {_kind(info.st_mode)}, not a regular file")
-        if info.st_size > limit:
-            raise UnsafeFile(errno.EFBIG, f"{what} {path} is {info.st_size:,} bytes, over the "
-                                          f"{limit:,}-byte limit")
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise UnsafeFile(errno.EINVAL, f"{what} {path} is {not_regular(mode)}")
         if _NONBLOCK:
             os.set_blocking(fd, True)
-        chunks: list[bytes] = []
-        size = 0
-        while chunk := os.read(fd, min(1 << 20, limit + 1 - size)):
-            chunks.append(chunk)
-            size += len(chunk)
-            if size > limit:          # it grew while being read
-                raise UnsafeFile(errno.EFBIG, f"{what} {path} is over the {limit:,}-byte limit")
-        return b"".join(chunks)
-    finally:
+        return os.fdopen(fd, "rb")
+    except BaseException:
         os.close(fd)
+        raise
+
+
+def read_bounded(path: Path | str, limit: int, what: str = "file") -> bytes:
+    """The whole content of the regular file at `path` (open_regular, no link followed), at most `limit`
+    bytes: UnsafeFile when it is larger, or grows past the limit while being read; never a truncated read
+    taken as whole."""
+    with open_regular(path, what) as f:
+        size = os.fstat(f.fileno()).st_size
+        if size > limit:
+            raise UnsafeFile(errno.EFBIG, f"{what} {path} is {size:,} bytes, over the {limit:,}-byte limit")
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise UnsafeFile(errno.EFBIG, f"{what} {path} is over the {limit:,}-byte limit")
+    return data
 
 
 def read_text_bounded(path: Path | str, limit: int, what: str = "file") -> str:
@@ -94,12 +100,13 @@ def write_atomic(path: Path | str, data: bytes | str, mode: int = 0o644) -> None
                 pass
 
 
-def _kind(mode: int) -> str:
+def not_regular(mode: int) -> str:
+    """What a file of this mode is, for a refusal: "a FIFO, not a regular file"."""
     for test, name in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISDIR, "a directory"), (stat.S_ISCHR, "a character device"),
                        (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")):
         if test(mode):
-            return name
+            return f"{name}, not a regular file"
     return "not a regular file"
 
 
-__all__ = ["UnsafeFile", "read_bounded", "read_text_bounded", "write_atomic"]
+__all__ = ["UnsafeFile", "not_regular", "open_regular", "read_bounded", "read_text_bounded", "write_atomic"]

@@ -16,14 +16,13 @@ import bz2
 import glob
 import gzip
 import lzma
-import os
 import re
-import stat
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Callable
 
+from detector.backends.safefile import not_regular, open_regular
 from detector.checks.xid.wrappers import peel
 
 _NUMBERED = re.compile(r"^(?P<base>.+?)\.(?P<n>\d+)(?:\.(?:gz|bz2|xz))?$")
@@ -49,7 +48,9 @@ class SavedLog:
         """The log's bytes, decompressed when it is compressed."""
         if self.path is None:
             return _Peekable(sys.stdin.buffer)
-        raw = _open_regular(self.path)
+        # A regular file only, checked on the open file (it may have been swapped since saved_logs looked);
+        # the user's own link is followed: they named it.
+        raw = open_regular(self.path, "saved kernel log", follow_links=True)
         head = raw.read(6)
         raw.seek(0)
         for magic, opener in _MAGIC:
@@ -70,7 +71,7 @@ def saved_logs(spec: str) -> list[SavedLog]:
     elif path.is_file():
         return [SavedLog(spec, path)]
     elif path.exists():
-        raise LogNotFound(f"{spec}: {_not_regular(path.stat().st_mode)}; name a saved kernel log, or - for stdin")
+        raise LogNotFound(f"{spec}: {not_regular(path.stat().st_mode)}; name a saved kernel log, or - for stdin")
     elif glob.has_magic(spec):
         files = [Path(p) for p in glob.glob(spec) if Path(p).is_file()]
         if not files:
@@ -78,26 +79,6 @@ def saved_logs(spec: str) -> list[SavedLog]:
     else:
         raise LogNotFound(f"{spec}: no such file or directory")
     return [SavedLog(str(p), p) for p in sorted(files, key=rotation_key)]
-
-
-def _open_regular(path: Path) -> BinaryIO:
-    """Open without blocking (a FIFO would wait for a writer) and refuse what is not a regular file: it may
-    have been swapped since saved_logs looked. The user's own link is followed: they named it."""
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError(f"{path}: {_not_regular(os.fstat(fd).st_mode)}")
-        os.set_blocking(fd, True)
-        return os.fdopen(fd, "rb")
-    except BaseException:
-        os.close(fd)
-        raise
-
-
-def _not_regular(mode: int) -> str:
-    kind = ("a FIFO" if stat.S_ISFIFO(mode) else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
-            else "a socket" if stat.S_ISSOCK(mode) else "not a file")
-    return f"{kind}, not a regular file"
 
 
 def rotation_key(path: Path) -> tuple:

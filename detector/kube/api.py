@@ -125,9 +125,10 @@ class KubeApi:
         ApiError TooLarge."""
         params = [("labelSelector", label_selector), ("limit", str(limit)), ("continue", continue_token)]
         query = "&".join(f"{k}={quote(v, safe='')}" for k, v in params if v)
-        cap = max_bytes if max_bytes is not None else \
-            min(MAX_LIST_BYTES, max(MAX_BODY_BYTES, limit * (3 << 19))) if limit > 0 else MAX_LIST_BYTES
-        return self._call("list", "nodes", "GET", f"/api/v1/nodes?{query}", max_bytes=cap)
+        if max_bytes is None:
+            largest_page = limit * (3 << 19) if limit > 0 else MAX_LIST_BYTES     # limit x 1.5 MiB objects
+            max_bytes = min(MAX_LIST_BYTES, max(MAX_BODY_BYTES, largest_page))
+        return self._call("list", "nodes", "GET", f"/api/v1/nodes?{query}", max_bytes=max_bytes)
 
     def watch_nodes(self, label_selector: str, resource_version: str, timeout_s: int = WATCH_TIMEOUT_S,
                     on_open: Callable[[urllib3.BaseHTTPResponse], None] | None = None,

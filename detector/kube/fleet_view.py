@@ -232,11 +232,10 @@ def read_fleet(api: KubeApi, owned_types: Iterable[str] = (), label_selector: st
             restarts += 1
 
 
-def _page(page: Any, number: int) -> tuple[list[Any], str]:
-    """A NodeList page's items and continue token ("" at the end); FleetListError when its shape is wrong."""
+def _page(page: dict[str, Any], number: int) -> tuple[list[Any], str]:
+    """A NodeList page's items and continue token ("" at the end); FleetListError when its shape is wrong
+    (the client already refused an answer that is not a JSON object)."""
     where = f"page {number} of the node list"
-    if not isinstance(page, dict):
-        raise FleetListError(f"{where} is {_kind(page)}, not an object")
     items, meta = page.get("items"), page.get("metadata")
     if items is not None and not isinstance(items, list):
         raise FleetListError(f"{where}: items is {_kind(items)}, not a list")

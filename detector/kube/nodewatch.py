@@ -52,6 +52,8 @@ from detector.kube.dra import discover
 from detector.kube.health import refusal_line
 from detector.kube.node_status import NVIDIA_DRA_DRIVER, dra_devices, node_status
 from detector.kube.pacing import Backoff
+from detector.kube.shapes import obj as shape
+from detector.kube.shapes import text
 
 log = logging.getLogger("gpu_npd.kube")
 
@@ -160,10 +162,8 @@ class _Follow:
         if not isinstance(items, list) or not all(isinstance(i, dict) for i in items):
             raise ApiError(0, "BadResponse", f"a {self.what} list whose items are not a list of objects",
                            None, "list")
-        version = (collection.get("metadata") or {}).get("resourceVersion") \
-            if isinstance(collection.get("metadata"), dict) else None
         self.reset(items)
-        self.version = str(version or "0")[:256]
+        self.version = text(shape(collection.get("metadata")).get("resourceVersion"))[:256] or "0"
         self.recovered("list", False)
 
     def _watch(self, stop: threading.Event) -> int:
@@ -182,10 +182,8 @@ class _Follow:
                     self.bookmark()
                 elif kind in ("ADDED", "MODIFIED", "DELETED"):
                     self.event(kind, obj)
-                metadata = obj.get("metadata")
-                version = metadata.get("resourceVersion") if isinstance(metadata, dict) else None
-                if version:
-                    self.version = str(version)[:256]
+                if version := text(shape(obj.get("metadata")).get("resourceVersion"))[:256]:
+                    self.version = version
         finally:
             with self._lock:
                 self._response = None

@@ -74,6 +74,16 @@ def test_a_file_of_each_format_is_a_kernel_log(fid):
     assert looks_like_kernel_log(f"{noise}\n".encode())
 
 
+def the_one_kernel_event(capsys, path) -> tuple:
+    """diagnose --kernel-log PATH: its exit code, its report, and the one kernel event its xid check read
+    (the check itself ran: no GpuHealthCheckFailing)."""
+    code, report = diagnose(capsys, "--kernel-log", str(path))
+    run = xid_run(report)
+    assert run["status"] == "ok", run
+    [event] = run["result"]["kernel_events"]
+    return code, report, event
+
+
 def test_dmesg_H_log_through_diagnose(tmp_path, capsys):
     """A `dmesg -H` capture: the XID on a delta line, read as an XID (unverified, like plain dmesg), not a
     check failure."""
@@ -81,10 +91,7 @@ def test_dmesg_H_log_through_diagnose(tmp_path, capsys):
     path.write_text("[Oct 6 17:59] nvidia-uvm: Loaded the UVM driver, major device number 510.\n"
                     "[  +0.000127] usb 3-5: new high-speed USB device number 4 using xhci_hcd\n"
                     f"[  +2.500000] {X79}\n")
-    code, report = diagnose(capsys, "--kernel-log", str(path))
-    run = xid_run(report)
-    assert run["status"] == "ok", run
-    [event] = run["result"]["kernel_events"]
+    code, report, event = the_one_kernel_event(capsys, path)
     assert (event["code"], event["gpu"]["index"], event["origin"]) == (79, 3, UNVERIFIED)
     assert code == 1 and rules(report) == {"xid-unverified-origin"}
 
@@ -94,10 +101,7 @@ def test_locale_journal_through_diagnose(tmp_path, capsys, month):
     path = tmp_path / "journal.txt"
     path.write_text(f"{month} 06 11:33:40 gpu-node-7 kernel: usb 3-5: new high-speed USB device\n"
                     f"{month} 06 11:33:45 gpu-node-7 kernel: {X79}\n")
-    code, report = diagnose(capsys, "--kernel-log", str(path))
-    run = xid_run(report)
-    assert run["status"] == "ok", run
-    [event] = run["result"]["kernel_events"]
+    code, report, event = the_one_kernel_event(capsys, path)
     assert (event["code"], event["gpu"]["index"], event["origin"]) == (79, 3, KERNEL)
     assert event["time"] is not None
     assert code == 1 and rules(report) == {"xid-79"}

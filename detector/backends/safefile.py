@@ -78,8 +78,9 @@ def read_text_bounded(path: Path | str, limit: int, what: str = "file") -> str:
     return read_bounded(path, limit, what).decode("utf-8")
 
 
-def write_atomic(path: Path | str, data: bytes | str, mode: int = 0o644) -> None:
-    """Replace `path` with `data`: a fresh temporary file beside it (never a fixed, guessable name), fsync,
+def write_atomic(path: Path | str, data: bytes | str, mode: int = 0o644, durable: bool = True) -> None:
+    """Replace `path` with `data`: a fresh temporary file beside it (never a fixed, guessable name), fsync
+    (unless not `durable`: a file rewritten at every read, whose loss costs little, such as a log cursor),
     rename. A symlink planted at `path` is replaced, never written through. Raises OSError."""
     path = Path(path)
     payload = data.encode("utf-8") if isinstance(data, str) else data
@@ -89,7 +90,8 @@ def write_atomic(path: Path | str, data: bytes | str, mode: int = 0o644) -> None
             f.write(payload)
             f.flush()
             os.fchmod(f.fileno(), mode)
-            os.fsync(f.fileno())
+            if durable:
+                os.fsync(f.fileno())
         os.replace(tmp, path)
         tmp = ""
     finally:

@@ -82,7 +82,7 @@ class CursorStore:
         try:
             text = json.dumps(state, separators=(",", ":"))
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            write_atomic(self.path, text)
+            write_atomic(self.path, text, durable=False)   # saved at every read: losing one costs a repeat
         except (OSError, TypeError, ValueError) as e:
             if not self._save_failing:     # once per failing spell, not once per read
                 log.warning("cannot save cursor to %s: %s", self.path, e)

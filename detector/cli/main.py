@@ -170,6 +170,7 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
     post_mortem = bool(args.kernel_log) and [c.name for c in checks] == ["xid"]
     host = open_host(args.nvml, node_name=args.node_name, sysfs_root=args.sysfs_root, nvidia_smi=args.nvidia_smi,
                      post_mortem=post_mortem)
+    host.one_sweep = True          # one sweep: counters since the driver loaded are compared across GPUs
     if not args.quiet:
         print(f"gpu-npd: {describe_rules(ruleset)}", file=sys.stderr, flush=True)
     try:

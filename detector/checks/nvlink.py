@@ -65,6 +65,7 @@ _VALUE = {pynvml.NVML_VALUE_TYPE_UNSIGNED_INT: "uiVal", pynvml.NVML_VALUE_TYPE_U
           pynvml.NVML_VALUE_TYPE_SIGNED_INT: "siVal", nvml_constant("NVML_VALUE_TYPE_UNSIGNED_SHORT"): "usVal"}
 RATED = ("replay", "recovery", "crc")
 _NOUN = {"replay": "replay errors", "recovery": "recoveries", "crc": "CRC errors"}
+_ONE = {"replay": "replay error", "recovery": "recovery", "crc": "CRC error"}
 
 
 class NvlinkCheck(Check):
@@ -420,7 +421,8 @@ def _link_value(counts: dict[str, Any], counter: str) -> int | None:
 def _describe(link: int, counter: str, total: int, rise: Increase, uptime: float | None) -> str:
     """'link 14: 3 recoveries in the last 3 min (1/min); 508 since the driver loaded (the node has been up 5 days)'"""
     up = f" (the node has been up {span_text(uptime)})" if uptime else ""
-    return (f"link {link}: {int(rise.amount)} {_NOUN[counter]} in the last {span_text(rise.seconds)} "
+    noun = _ONE[counter] if int(rise.amount) == 1 else _NOUN[counter]
+    return (f"link {link}: {int(rise.amount)} {noun} in the last {span_text(rise.seconds)} "
             f"({_rate(rise.per_min())}/min); {total} since the driver loaded{up}")
 
 

@@ -26,8 +26,8 @@ loaded"): marin-community/marin#9086 had one GB200 link hold 505 recovery events
 rising, before it failed with XID 149, while every other link of 320 GPUs read 0. Which rise counts is set
 by `replay_per_min`, `recovery_per_min` (0: any rise, as DCGM's health watch) and `crc_per_min`/`crc_min_count`.
 One sweep and no more (diagnose without a duration, a replayed capture) has no rate: each link's totals are
-compared with those of the node's other links on GPUs of the same model (detector/core/siblings.py), and the
-finding says it compares totals since the driver loaded.
+compared with the same link on the node's other GPUs of the same model (detector/core/siblings.py), and
+the finding says it compares totals since the driver loaded.
 A down link is critical only once held down for `debounce` seconds: NVLinks are briefly down after every
 boot while they train, and a single reading raised fatal alarms on 214 of 288 GB200 nodes, none faulty
 (NVIDIA/NVSentinel#1701, fixed by a consecutive-poll debounce in #1715). A link first seen down when
@@ -113,8 +113,8 @@ class NvlinkCheck(Check):
         "crc_links": "links whose CRC errors (flit and data) rose past crc_per_min and crc_min_count, as replay_links",
         "rising_links": "the numbers of the links in replay_links, recovery_links or crc_links, comma-separated",
         "links_above_siblings": "one sweep only (diagnose without a duration, a replay): links whose totals since "
-                                "the driver loaded are far above those of the node's other links of same-model "
-                                "GPUs ('' otherwise): a comparison of totals, not a rate",
+                                "the driver loaded are far above the same link's on the node's other GPUs of the "
+                                "same model ('' otherwise): a comparison of totals, not a rate",
     }
     config_fields = {
         "expected_links": ConfigField(int, -1, "NVLinks that should be up on every GPU (-1: from what the node "
@@ -134,7 +134,8 @@ class NvlinkCheck(Check):
         "crc_min_count": ConfigField(int, 10, "CRC errors one link must add in the window to count as rising (a "
                                               "single hit after a start is not a rate)"),
         "siblings_factor": ConfigField(float, 10.0, "one sweep only: a link's total since the driver loaded stands "
-                                                    "out at this many times the median of the node's other links"),
+                                                    "out at this many times the median of the same link on the "
+                                                    "node's other GPUs of the same model"),
         "siblings_floor_replay": ConfigField(float, 1000.0, "one sweep only: and at least this many replay errors "
                                                             "above that median"),
         "siblings_floor_recovery": ConfigField(float, 100.0, "one sweep only: and at least this many recovery "
@@ -270,19 +271,22 @@ class NvlinkCheck(Check):
 
     def _above_siblings(self, readings: list[tuple[GpuInfo, tuple[dict[str, Any], list[dict[str, Any]]]]]
                         ) -> dict[int | None, list[str]]:
-        """One sweep: each link whose totals since the driver loaded stand far above those of the node's other
-        links on GPUs of the same model, described per GPU."""
+        """One sweep: each link whose totals since the driver loaded stand far above those of the same link on
+        the node's other GPUs of the same model (on an NVSwitch board link i of every GPU meets the same switch,
+        so a pattern shared by all GPUs is the board's, not one link's), described per GPU."""
         found: dict[int | None, list[str]] = {}
+        gpu_names = {gpu.index: gpu.name for gpu, _ in readings}
         for c in RATED:
             values = {(gpu.index, row["link"]): _link_value(row, c) for gpu, (_, table) in readings for row in table}
-            groups = {(gpu.index, row["link"]): gpu.name for gpu, (_, table) in readings for row in table}
+            groups = {(gpu.index, row["link"]): f"{gpu.name}/{row['link']}" for gpu, (_, table) in readings
+                      for row in table}
             hits = standouts(values, groups, factor=float(self.config["siblings_factor"]),
                              floor=float(self.config[f"siblings_floor_{c}"]))
             for (index, link), hit in sorted(hits.items()):
                 found.setdefault(index, []).append(
                     f"link {link}: {int(hit.value)} {_NOUN[c]} since the driver loaded, against a median of "
-                    f"{hit.median:g} on the node's {hit.siblings} other links of the same model: a comparison "
-                    "of totals, not a rate (one sweep cannot measure one)")
+                    f"{hit.median:g} on link {link} of the node's {hit.siblings} other {gpu_names[index]} GPUs: "
+                    "a comparison of totals, not a rate (one sweep cannot measure one)")
         return found
 
     def _expected(self, gpu: GpuInfo, read: list[GpuInfo], states: dict[int, dict[int, bool]],

@@ -293,3 +293,17 @@ def test_rate_gauges_are_declared_on_fields_the_checks_fill():
                         (MemoryCheck, "gpu_npd_gpu_ecc_corrected_per_second"),
                         (NvlinkCheck, "gpu_npd_gpu_nvlink_recovery_errors_per_minute")):
         assert cls.gauges[metric].field in cls.fields
+
+
+# ---- diagnose, as a person runs it ---------------------------------------------------------------------------
+
+
+def test_diagnose_without_a_duration_compares_totals_and_says_so():
+    from test_cli import diagnose_json
+    code, report = diagnose_json("h100-sxm-8-nvlink-recovering", "--checks", "nvlink,pcie,memory")
+    assert code == 1 and [p["rule"] for p in report["problems"]] == ["nvlink-errors-above-siblings"]
+    assert "a comparison of totals, not a rate" in report["problems"][0]["message"]
+    assert "GPU 3 " in report["problems"][0]["message"] and "link 14: 505 recoveries" in report["problems"][0]["message"]
+    for scenario in ("h100-sxm-8-ecc-corrected", "h100-sxm-8-pcie-replays", "h100-sxm-8-sbe-storm"):
+        code, report = diagnose_json(scenario, "--checks", "nvlink,pcie,memory")   # one reading: no rate, small totals
+        assert code == 0 and report["problems"] == [], scenario

@@ -237,4 +237,7 @@ def _summary(gpus: list[dict[str, Any]]) -> str:
                      f"failed on {sum(bool(g['remap_failure']) for g in gpus)}")
     if any(g["retired_total"] is not None for g in gpus):
         parts.append(f"retired pages {sum(g['retired_total'] or 0 for g in gpus)}")
+    storming = [str(g["index"]) for g in gpus if g["corrected_rising"]]
+    if storming:
+        parts.append(f"corrected errors storming on GPU {', '.join(storming)}")
     return "; ".join(parts)

@@ -461,10 +461,13 @@ def _summary(gpus: list[dict[str, Any]]) -> str:
         return f"no NVLink expected: {gpus[0]['expected_because']}"
     down = sum(g["links_inactive"] for g in gpus)
     missing = sum(max(0, (g["links_expected"] or 0) - g["links_reported"]) for g in gpus)
-    erroring = [str(g["index"]) for g in gpus if any(g[f"{c}_increase"] for c in RATED)]
+    erroring = [str(g["index"]) for g in gpus if g.get("rising_links")]
+    standing = [str(g["index"]) for g in gpus if g.get("links_above_siblings")]
     text = f"{sum(g['links_active'] for g in gpus)} links up on {len(gpus)} GPUs"
     text += f", {down} down" if down else ""
     text += f", {missing} missing" if missing else ""
     settling = sum(g["links_settling"] or 0 for g in gpus)
     text += f" ({settling} down for less than the debounce)" if settling else ""
-    return text + (f"; errors rising on GPU {', '.join(erroring)}" if erroring else "")
+    text += f"; errors rising on GPU {', '.join(erroring)}" if erroring else ""
+    return text + (f"; link totals since the driver loaded far above their siblings' on GPU {', '.join(standing)}"
+                   if standing else "")

@@ -310,9 +310,9 @@ def _peers_words(f: dict[str, Any]) -> str:
         return "no same-model sibling on this node"
     parts = [f"{f['peers']} sibling(s) of the same model"]
     if f["peers_busy"]:
-        parts.append(f"{f['peers_busy']} busy at a median {f['peers_busy_sm_clock_mhz']} MHz")
+        parts.append(f"{f['peers_busy']} busy at a median {f['peers_busy_sm_clock_mhz']:g} MHz")
     if f["peers_power_limit_w"] is not None:
-        parts.append(f"power limit {f['peers_power_limit_w']} W")
+        parts.append(f"power limit {f['peers_power_limit_w']:g} W")
     if f["peers_app_clock_mhz"] is not None:
         parts.append(f"application clock {f['peers_app_clock_mhz']} MHz")
     if f["peers_hw_throttle_pct"] is not None:

@@ -243,7 +243,7 @@ def cmd_checks(args: argparse.Namespace) -> int:
         for field, meaning in {**cls.fields}.items():
             print(f"  field {field}: {meaning}")
         for metric, gauge in cls.gauges.items():
-            labels = ",".join(("gpu", "pci_bus_id", *gauge.labels))
+            labels = ",".join(("gpu", "pci_bus_id", *gauge.labels, *([gauge.by] if gauge.by else [])))
             print(f"  metric {metric}{{{labels}}}: {gauge.help} (field {gauge.field})")
         print()
     print("Every check also has the fields check, check_status, check_error and duration_ms, and the settings\n"

@@ -307,3 +307,24 @@ def test_diagnose_without_a_duration_compares_totals_and_says_so():
     for scenario in ("h100-sxm-8-ecc-corrected", "h100-sxm-8-pcie-replays", "h100-sxm-8-sbe-storm"):
         code, report = diagnose_json(scenario, "--checks", "nvlink,pcie,memory")   # one reading: no rate, small totals
         assert code == 0 and report["problems"] == [], scenario
+
+
+# ---- diagnose --duration: issue 31's acceptance for the counter scenarios -------------------------------------
+
+WATCH_NAMES = {"h100-sxm-8-nvlink-recovering": (3, "NvlinkRecoveryErrors"),
+               "h100-sxm-8-nvlink-replay": (3, "NvlinkReplayErrors"),
+               "h100-sxm-8-pcie-replays": (2, "PcieReplayRate"),
+               "h100-sxm-8-sbe-storm": (6, "CorrectedEccStorm")}
+
+
+@pytest.mark.parametrize("scenario", sorted(WATCH_NAMES))
+def test_a_two_minute_watch_names_the_gpu_by_its_rate_not_its_totals(capsys, scenario):
+    import json
+
+    from detector.cli.main import main
+    code = main(["diagnose", "--nvml", f"fake:{scenario}", "--duration", "120", "-q", "-o", "json"])
+    out = json.loads(capsys.readouterr().out)
+    gpu, reason = WATCH_NAMES[scenario]
+    assert code == 1 and [p["reason"] for p in out["problems"]] == [reason], out["problems"]
+    assert {g["index"] for p in out["problems"] for g in p["gpu_details"]} == {gpu}
+    assert "comparison of totals" not in out["problems"][0]["message"]       # a watch judges rates only

@@ -73,9 +73,10 @@ def _real_host(node_name: str, sysfs_root: Path, nvidia_smi: str, kernel_cursor:
     else:
         boot_id, kernel_log = live_kernel_log(cursor_file=kernel_cursor)
     from detector.backends.infiniband import sysfs_infiniband
+    from detector.backends.nvml_timing import TimedNvml
     from detector.backends.system import host_system
 
-    host = Host(node_name, pynvml, SubprocessSmi([nvidia_smi]), SysfsPciBus(sysfs_root),
+    host = Host(node_name, TimedNvml(pynvml), SubprocessSmi([nvidia_smi]), SysfsPciBus(sysfs_root),
                 nvml_init_error=init_error, kernel_log=kernel_log, boot_id=boot_id,
                 close=_shutdown(pynvml) if init_error is None else (lambda: None))
     host.infiniband = sysfs_infiniband(sysfs_root)

@@ -104,6 +104,8 @@ VARIANTS: dict[str, tuple[dict[str, Any], str | None]] = {
     "dra-taints": ({"draTaints": {"enabled": True}}, "overlays/dra-taints"),
     "networkpolicy": ({"networkPolicy": {"enabled": True}}, "overlays/networkpolicy"),
     "servicemonitor": ({"serviceMonitor": {"enabled": True, "labels": {"release": "kube-prometheus-stack"}}}, None),
+    "prometheusrule": ({"podMonitor": {"enabled": True},
+                        "prometheusRule": {"enabled": True, "labels": {"release": "kube-prometheus-stack"}}}, None),
     "site": ({"rules": {"files": {"b-pcie.yaml": {"version": 1, "rules": [SITE_RULE]}, "a-text.yml": TEXT_RULE_FILE}},
               "checks": SITE_CHECKS, "extraArgs": ["--heartbeat", 120],
               "image": {"repository": "registry.example/gpu-npd", "tag": "0.1.1"}}, None),

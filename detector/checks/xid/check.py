@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 from datetime import datetime, timezone
-from typing import Any
+from typing import Any, Callable
 
 from detector.backends.kernlog.records import LogLine, is_kernel
 from detector.checks.xid.applications import GPU_SUSPECT_XIDS, ApplicationFaults
@@ -92,8 +92,8 @@ class XidCheck(Check):
     needs_fresh_inventory = False
     metrics = XidMetrics
 
-    def __init__(self, config: dict[str, Any] | None = None):
-        super().__init__(config)
+    def __init__(self, config: dict[str, Any] | None = None, clock: Callable[[], float] = time.monotonic):
+        super().__init__(config, clock)
         self._listener: NvmlXidListener | None = None
         self._incidents = IncidentTracker(self.config["incident_gap_s"], self.config["dedupe_window_s"])
         self._applications = ApplicationFaults(self.config["application_window_s"])

@@ -347,3 +347,22 @@ def test_the_latency_is_exported_per_gpu(registry, rules):
     assert value("gpu_npd_gpu_nvml_call_p95_seconds", {"gpu": "7", "pci_bus_id": "0000:db:00.0"}) == 1.5
     assert value("gpu_npd_gpu_nvml_call_max_seconds", {"gpu": "7", "pci_bus_id": "0000:db:00.0"}) == 1.5
     assert value("gpu_npd_gpu_nvml_call_p95_seconds", {"gpu": "0", "pci_bus_id": "0000:18:00.0"}) < 0.05
+
+
+def test_on_real_time_a_gpu_too_slow_for_the_inventory_deadline_is_hung_and_its_latency_still_shown(rules):
+    """The daemon's case on real time: 13 inventory calls at 0.1 s miss a 0.5 s deadline, so the GPU is
+    GpuNvmlCallHung (one problem, not two); the calls it did answer, slowly, are still its latency."""
+    from detector.core.sweep import run_sweep
+    from detector.rules.engine import RuleEngine
+    node = load_scenario("h100-sxm-8").build()
+    node.inject(Fault("nvml_slow", 7, {"seconds": 0.1}))
+    host = fake_host(node)
+    check = VisibilityCheck({})
+    run_sweep(host, [check], inventory_timeout_s=0.5)
+    time.sleep(1.6)                                   # the abandoned read of GPU 7 finishes its 13 calls
+    out = run_sweep(host, [check], inventory_timeout_s=0.5)
+    problems = RuleEngine(rules).evaluate(out.observations)
+    assert {(p.rule, tuple(g.index for g in p.gpus)) for p in problems} == {("gpu-nvml-hung", (7,))}
+    fields = visibility_fields(out)
+    assert fields[7]["nvml_error"] == "Hung" and fields[7]["nvml_calls"] >= 13
+    assert 0.1 <= fields[7]["nvml_p95_s"] < 0.2

@@ -96,6 +96,7 @@ class TimedNvml:
         self._declared = nvml.call_returned if isinstance(nvml, SimulatesLatency) else None
         self._known: set[Hashable] = set()         # device keys learnt from handle-returning calls
         self._handle_types: set[type] = set()      # the types those handles had
+        self._indexes: dict[Hashable, int] = {}    # device key -> the NVML index it was opened by
 
     def __getattr__(self, name: str) -> Any:
         value = getattr(self.wrapped, name)
@@ -116,9 +117,16 @@ class TimedNvml:
             return None
         return handle
 
+    def opened_index(self, key: Hashable) -> int | None:
+        """The NVML index the device under `key` was last opened by, if it was opened by index: what names a
+        GPU whose inventory read missed its deadline (no handle to match) while its calls went on."""
+        return self._indexes.get(key)
+
     def _timed(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         timer, times, declared = self._timer, self.times, self._declared
         if name in HANDLE_SOURCES:
+            by_index = name.startswith("nvmlDeviceGetHandleByIndex")
+
             def opened(*args: Any, **kwargs: Any) -> Any:
                 start = timer()
                 handle = None
@@ -130,6 +138,8 @@ class TimedNvml:
                     key = self._learn(handle) if handle is not None else None
                     if key is not None:
                         times.record(key, seconds)
+                        if by_index and args and isinstance(args[0], int):
+                            self._indexes[key] = args[0]
             opened.__name__ = name
             return opened
 

@@ -161,9 +161,12 @@ class VisibilityCheck(Check):
             return {}, {}
         gpus = [g for g in ctx.inventory.gpus if g.pci_bus_id]
         by_key = {nvml.device_key(g.handle): g.pci_bus_id for g in gpus if g.handle is not None}
+        # A GPU whose inventory read missed its deadline has no handle, but its calls go on and return (slowly):
+        # they are its by the index it was opened by, so its latency is still shown (judged as hung, above).
+        unopened = {g.index: g.pci_bus_id for g in gpus if g.handle is None}
         for key, durations in nvml.times.drain().items():
-            bus_id = by_key.get(key)
-            if bus_id is not None:          # a GPU the inventory no longer opens: its calls are not judged
+            bus_id = by_key.get(key) or unopened.get(nvml.opened_index(key))
+            if bus_id is not None:          # a GPU the inventory no longer sees: its calls are not judged
                 self._latency.add(bus_id, durations)
         self._latency.keep_only({g.pci_bus_id for g in gpus if g.pci_bus_id})
         timed = {g.pci_bus_id: Timed(g.name, g.error is None, self._latency.latency(g.pci_bus_id))

@@ -23,6 +23,7 @@ from fake_nvml.nvml_latency import LatencyCalls
 from fake_nvml.nvml_memory import MemoryCalls
 from fake_nvml.nvml_nvlink import NvlinkCalls
 from fake_nvml.nvml_thermal import ThermalCalls
+from fake_nvml.pci import pcie_replays
 
 _MIB = 1024 * 1024
 # pynvml functions that are plain Python (no driver call): served as they are.
@@ -250,7 +251,7 @@ class FakeNvml(MemoryCalls, DriverCalls, ThermalCalls, NvlinkCalls, LatencyCalls
         return self._device(handle).model.pcie_max_gen
 
     def nvmlDeviceGetPcieReplayCounter(self, handle: Any) -> int:
-        return self._device(handle).pcie_replays
+        return pcie_replays(self._device(handle), self.node.elapsed_s())
 
     # -- health ----------------------------------------------------------------------------------
 

@@ -26,6 +26,9 @@ NAMED = {
     "h100-sxm-8-slow-gpu": ("GpuPerformanceDegraded", 5),
     "h100-sxm-8-nvlink-replay": ("GpuNvlinkDegraded", 3),
     "h100-sxm-8-hw-slowdown": ("GpuThermal", 2),
+    "h100-sxm-8-nvlink-recovering": ("GpuNvlinkDegraded", 3),
+    "h100-sxm-8-pcie-replays": ("GpuPcieDegraded", 2),
+    "h100-sxm-8-sbe-storm": ("GpuMemoryError", 6),
 }
 LOOK_ALIKES = ["h100-sxm-8", "h100-sxm-8-power-capped", "h100-sxm-8-ecc-corrected", "h100-sxm-8-throttle-blip"]
 QUIET_FOR_S = 15 * 60            # of the node's time: every window full, the look-alikes' patterns played out

@@ -23,8 +23,12 @@ NAMED_AFTER_WATCH = {
     "h100-sxm-8-nvlink-replay": 3,
     "h100-sxm-8-hw-slowdown": 2,
     "h100-sxm-8-slow-gpu": 5,
+    "h100-sxm-8-nvlink-recovering": 3,
+    "h100-sxm-8-pcie-replays": 2,
+    "h100-sxm-8-sbe-storm": 6,
 }
-ONLY_A_WATCH_SEES = ["h100-sxm-8-nvlink-replay", "h100-sxm-8-hw-slowdown"]   # rates and shares of a window
+ONLY_A_WATCH_SEES = ["h100-sxm-8-nvlink-replay", "h100-sxm-8-hw-slowdown", "h100-sxm-8-pcie-replays",
+                     "h100-sxm-8-sbe-storm"]   # rates and shares of a window
 HEALTHY_OVER_WATCH = ["h100-sxm-8", "h100-sxm-8-power-capped", "h100-sxm-8-ecc-corrected", "h100-sxm-8-throttle-blip"]
 
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Mapping
 
-from fake_nvml import device_plugin, infiniband, nvml_memory, nvml_nvlink, nvml_thermal, pci, system
+from fake_nvml import device_plugin, infiniband, nvml_latency, nvml_memory, nvml_nvlink, nvml_thermal, pci, system
 from fake_nvml.fault_kind import FaultArgs, FaultKind, set_field
 from fake_nvml.node import FakeGpu, FakeNode, NodeState
 
@@ -153,6 +153,7 @@ _MODULES = (
     infiniband,        # the infiniband check
     device_plugin,     # the allocatable check
     pci,               # the pcie check's replay counter
+    nvml_latency,      # the visibility check's latency: a GPU whose NVML calls are slow
 )
 
 

@@ -86,6 +86,7 @@ class FakeGpu:
     lost: bool = False               # NVML raises GPU_IS_LOST for this GPU
     nvml_visible: bool = True        # False: on the PCI bus, but the driver never attached
     nvml_hang_s: float = 0.0         # NVML calls touching this GPU block this long
+    nvml_slow_s: float = 0.0         # NVML calls touching this GPU take this much longer (fake_nvml/nvml_latency.py)
 
     @property
     def idle(self) -> bool:

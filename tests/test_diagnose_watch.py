@@ -26,6 +26,7 @@ NAMED_AFTER_WATCH = {
     "h100-sxm-8-nvlink-recovering": 3,
     "h100-sxm-8-pcie-replays": 2,
     "h100-sxm-8-sbe-storm": 6,
+    "h100-sxm-8-nvml-slow": 7,
 }
 ONLY_A_WATCH_SEES = ["h100-sxm-8-nvlink-replay", "h100-sxm-8-hw-slowdown", "h100-sxm-8-pcie-replays",
                      "h100-sxm-8-sbe-storm"]   # rates and shares of a window

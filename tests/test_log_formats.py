@@ -10,7 +10,7 @@ import pytest
 
 from detector.checks.xid.logfiles import looks_like_kernel_log
 from detector.checks.xid.parser import KERNEL, UNVERIFIED, KernelEvent, parse_line
-from detector.checks.xid.wrappers import peel
+from detector.backends.kernlog.wrappers import peel
 from tests.test_saved_logs import X79, diagnose, rules, xid_run
 
 

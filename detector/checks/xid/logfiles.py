@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import BinaryIO, Callable
 
 from detector.backends.safefile import not_regular, open_regular
-from detector.checks.xid.wrappers import peel
+from detector.backends.kernlog.wrappers import peel
 
 _NUMBERED = re.compile(r"^(?P<base>.+?)\.(?P<n>\d+)(?:\.(?:gz|bz2|xz))?$")
 _DATED = re.compile(r"^(?P<base>.+?)-(?P<date>\d{8}(?:\d{2,6})?)(?:\.(?:gz|bz2|xz))?$")

@@ -93,7 +93,7 @@ class DriverEvent:
     driver: str = ""                 # pcie_aer: the kernel driver the line's device prefix names
     vendor: int | None = None        # pcie_aer: `device [10de:2330] ...`: the reporting device's vendor
     source: str | None = None        # pcie_aer: the device a port's `... error received: BUS` names
-    headline: bool = False           # pcie_aer: a report's first line (`PCIe Bus Error` / `error received`)
+    headline: bool = False           # pcie_aer: a report's `PCIe Bus Error: severity=...` line (one per report)
     unrecovered: bool = False        # pcie_aer: `can't recover`, `device recovery failed`, `no AER-aware driver`
     driver_gpu: int | None = None    # `NVRM: GPU6 ...`: the driver's own GPU number (not NVML's index)
     minor: int | None = None         # rm_init_failed: the device minor number (/dev/nvidiaN)
@@ -175,7 +175,7 @@ def _aer(msg: str, body: str, driver: str, bus: str | None) -> DriverEvent | Non
     if s := _AER_SEVERITY.search(body):
         source = _bus(s["src"]) if s["src"] else _requester(s["id"], bus) if s["id"] else None
         return DriverEvent(PCIE_AER, bus, msg, _severity(s["sev"] or s["sev2"]), port, driver, source=source,
-                           headline=True)
+                           headline=s["sev"] is not None)
     if v := _AER_VENDOR.search(body):
         return DriverEvent(PCIE_AER, bus, msg, None, port, driver, vendor=int(v["vendor"], 16))
     if _AER_UNRECOVERED.search(body):
@@ -242,7 +242,7 @@ class AerReports:
         out = self._close() if self._new_burst(event, position) else []
         self._where = (position, _when(event))
         sev = event.severity
-        if event.headline and sev is not None:
+        if sev is not None:                          # a report's headline, or the port's `error received`
             self._severity[event.pci_bus_id] = sev
             if event.source:
                 self._severity[event.source] = sev
@@ -277,10 +277,8 @@ class AerReports:
         return far or late
 
     def _burst_severity(self) -> str | None:
-        for event, _ in reversed(self._burst):
-            if event.headline or event.unrecovered:
-                return event.severity
-        return None
+        """The severity of the report under way (every line read so far carries its report's)."""
+        return self._burst[-1][0].severity if self._burst else None
 
     def _close(self) -> list[tuple[DriverEvent, int | None]]:
         burst, self._burst = self._burst, []

@@ -8,8 +8,9 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from detector.core.check import Check, CheckRegistry
 from detector.yamlsource import MappingReader, SourceError, load_yaml
@@ -24,7 +25,8 @@ def load_check_settings(path: Path) -> tuple[str, dict[str, Any]]:
 
 
 def build_checks(registry: CheckRegistry, selected: Sequence[str] | None,
-                 settings: Mapping[str, Any] | None = None, file: str = "<settings>") -> list[Check]:
+                 settings: Mapping[str, Any] | None = None, file: str = "<settings>",
+                 clock: Callable[[], float] = time.monotonic) -> list[Check]:
     """Instantiate checks by name with validated settings. Unknown names or settings raise
     SourceError (from a file) or KeyError (from --checks). Without `selected`, every enabled check runs
     (opt-in checks such as nccl only with `enabled: true`); a named check runs whatever `enabled` says."""
@@ -36,13 +38,13 @@ def build_checks(registry: CheckRegistry, selected: Sequence[str] | None,
     names = list(selected) if selected is not None else registry.names()
     checks = []
     for name in names:
-        check = _build_check(registry.get(name), settings.get(name) or {}, file)
+        check = _build_check(registry.get(name), settings.get(name) or {}, file, clock)
         if selected is not None or check.enabled:
             checks.append(check)
     return checks
 
 
-def _build_check(cls: type[Check], raw: Mapping[str, Any], file: str) -> Check:
+def _build_check(cls: type[Check], raw: Mapping[str, Any], file: str, clock: Callable[[], float]) -> Check:
     reader = MappingReader(file, raw, f"checks.{cls.name}")
     reader.reject_unknown(set(cls.config_fields) | set(cls.schedule_fields()))
     values: dict[str, Any] = {key: reader.get(key, spec.kind, spec.default) for key, spec in cls.config_fields.items()}
@@ -54,7 +56,7 @@ def _build_check(cls: type[Check], raw: Mapping[str, Any], file: str) -> Check:
             values[key] = value
     if reader.has("enabled"):
         values["enabled"] = reader.get("enabled", bool)
-    return cls(values)
+    return cls(values, clock)
 
 
 class UsageError(Exception):
@@ -62,7 +64,7 @@ class UsageError(Exception):
 
 
 def load_selected_checks(registry: CheckRegistry, checks: str | None, config: Path | None,
-                         overrides: dict | None = None) -> list:
+                         overrides: dict | None = None, clock: Callable[[], float] = time.monotonic) -> list:
     """`--checks a,b` and `--config FILE` (plus per-check setting overrides) into check instances."""
     settings, settings_file = {}, "<settings>"
     if config:
@@ -70,4 +72,4 @@ def load_selected_checks(registry: CheckRegistry, checks: str | None, config: Pa
     for name, values in (overrides or {}).items():
         settings = {**settings, name: {**(settings.get(name) or {}), **values}}
     selected = [n.strip() for n in checks.split(",") if n.strip()] if checks else None
-    return build_checks(registry, selected, settings, settings_file)
+    return build_checks(registry, selected, settings, settings_file, clock)

@@ -64,6 +64,7 @@ class FakeGpu:
     memory_temperature_c: int = 40            # HBM temperature (NVML_FI_DEV_MEMORY_TEMP), where sensed
     power_limit_mw: int = 0                   # enforced power limit; 0: the model's
     throttles: list[dict[str, Any]] = field(default_factory=list)   # {reason, duty, period_s, since_s}
+    app_clock_mhz: int = 0                    # application (target) graphics clock; 0: the model's max
     # -- NVLink and fabric state (the nvlink and fabric checks) --
     # nvlinks_down above: links inactive for good. Counters move with node time (fake_nvml/nvml_nvlink.py).
     nvlink_errors: dict[str, int] = field(default_factory=dict)        # "link/counter" -> count added so far

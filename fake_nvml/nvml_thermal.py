@@ -22,6 +22,18 @@ What real NVML does, and so what this fake does:
 
 Throttle patterns (the `throttle` and `power_brake` faults) drive the bitmask and the violation counters
 from the same node time (FakeNode.elapsed_s()), so the two always agree.
+
+Clocks (the performance check), from the same state:
+- nvmlDeviceGetClockInfo(SM) / nvmlDeviceGetMaxClockInfo(SM): an idle GPU sits at its idle clock; a busy one
+  runs at its application clock (nvmlDeviceGetApplicationsClock, GRAPHICS; the model's max unless set), held
+  lower by an enforced power limit below the model's (clock ~ limit^0.64: dynamic power rises faster than the
+  clock, so a 400 W limit of 700 holds an H100 about 30% below its siblings) and halved during a HW slowdown
+  ("a factor of 2 or more", NVML).
+- the cumulative throttle time per reason through nvmlDeviceGetFieldValues, at the field ids the fake driver's
+  version has them (detector/backends/nvmlcompat.py throttle_counter_fields), in nanoseconds: the same
+  pattern time as the violation counters.
+- a busy GPU drawing its whole limit is power capped: `power_draw` and `power_limit` start an always-on SW
+  power cap pattern, so the reasons mask and the counters say what the power figures say.
 """
 
 from __future__ import annotations
@@ -32,6 +44,7 @@ from typing import Any
 
 import pynvml
 
+from detector.backends.nvmlcompat import throttle_counter_fields
 from fake_nvml.fault_kind import FaultArgs, FaultKind, set_field
 from fake_nvml.node import FakeGpu, FakeNode, NodeState
 
@@ -90,6 +103,65 @@ def limits_of(gpu: FakeGpu) -> ThermalLimits:
                                                       gpu.model.temp_slowdown_c - 2, None, False)
 
 
+@dataclass(frozen=True)
+class Clocks:
+    """A model's SM clocks (MHz), as nvidia-smi -q shows them under Max Clocks and Clocks at idle."""
+
+    max_sm_mhz: int
+    idle_sm_mhz: int
+
+
+# H100 SXM: a captured `nvidia-smi -q` of an H100 80GB HBM3 (tests/fixtures/real_machines/h100-vm-580) shows
+# Max Clocks SM 1980 MHz, Applications Clocks Graphics 1980 MHz and an idle SM clock of 345 MHz. The others
+# are this fake's choice, near their data sheets' boost clocks.
+CLOCKS: dict[str, Clocks] = {
+    "h100-sxm5-80gb": Clocks(1980, 345),
+    "h200-sxm-141gb": Clocks(1980, 345),
+    "a100-sxm4-80gb": Clocks(1410, 210),
+    "a100-pcie-40gb": Clocks(1410, 210),
+    "v100-sxm2-32gb": Clocks(1530, 135),
+    "rtx-4090": Clocks(3120, 210),
+}
+_POWER_CLOCK_EXPONENT = 0.64     # busy clock ~ (enforced limit / the model's limit) ** this, below the model's
+
+
+def clocks_of(gpu: FakeGpu) -> Clocks:
+    return CLOCKS.get(gpu.model.key) or Clocks(1500, 300)
+
+
+def app_clock_mhz(gpu: FakeGpu) -> int:
+    return gpu.app_clock_mhz or clocks_of(gpu).max_sm_mhz
+
+
+def sm_clock_mhz(gpu: FakeGpu, now_s: float) -> int:
+    """What the SM clock is now: idle, or the application clock held down by the power limit and HW slowdown."""
+    clocks = clocks_of(gpu)
+    if gpu.idle:
+        return clocks.idle_sm_mhz
+    clock = float(min(app_clock_mhz(gpu), clocks.max_sm_mhz))
+    share = enforced_limit_mw(gpu) / (gpu.model.power_limit_w * 1000)
+    if share < 1:
+        clock = min(clock, clocks.max_sm_mhz * share ** _POWER_CLOCK_EXPONENT)
+    if current_reasons(gpu, now_s) & _R.nvmlClocksEventReasonHwSlowdown:
+        clock /= 2
+    return max(int(clock), clocks.idle_sm_mhz)
+
+
+# Reason names of the cumulative counters -> the throttle patterns whose time they count.
+_COUNTER_PATTERNS: dict[str, tuple[str, ...]] = {
+    "sw_power_cap": ("sw_power_cap",),
+    "sync_boost": ("sync_boost",),
+    "sw_thermal_slowdown": ("sw_thermal",),
+    "hw_thermal_slowdown": ("hw_thermal",),
+    "hw_power_brake_slowdown": ("hw_power_brake",),
+}
+
+
+def reason_ns(gpu: FakeGpu, reason: str, now_s: float) -> int:
+    patterns = _COUNTER_PATTERNS[reason]
+    return int(sum(pattern_on_s(p, now_s) for p in gpu.throttles if p["reason"] in patterns) * 1e9)
+
+
 def _error(code: int) -> pynvml.NVMLError:
     return pynvml.NVMLError(code)
 
@@ -137,6 +209,8 @@ def current_reasons(gpu: FakeGpu, now_s: float) -> int:
         reasons |= REASON_BITS["sw_thermal"]
     if not gpu.idle and gpu.power_mw >= _POWER_CAP_SHARE * enforced_limit_mw(gpu):
         reasons |= REASON_BITS["sw_power_cap"]
+    if not gpu.idle and gpu.app_clock_mhz and gpu.app_clock_mhz < clocks_of(gpu).max_sm_mhz:
+        reasons |= _R.nvmlClocksEventReasonApplicationsClocksSetting
     return reasons
 
 
@@ -188,11 +262,40 @@ class ThermalCalls:
         return pynvml.c_nvmlViolationTime_t(referenceTime=int(time.time() * 1e6),
                                             violationTime=violation_ns(gpu, perfPolicyType, self._thermal_now_s()))
 
+    def nvmlDeviceGetClockInfo(self, handle: Any, clock_type: int) -> int:
+        gpu = self._device(handle)   # type: ignore[attr-defined]
+        if clock_type not in (pynvml.NVML_CLOCK_SM, pynvml.NVML_CLOCK_GRAPHICS):
+            raise _error(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        return sm_clock_mhz(gpu, self._thermal_now_s())
+
+    def nvmlDeviceGetMaxClockInfo(self, handle: Any, clock_type: int) -> int:
+        gpu = self._device(handle)   # type: ignore[attr-defined]
+        if clock_type not in (pynvml.NVML_CLOCK_SM, pynvml.NVML_CLOCK_GRAPHICS):
+            raise _error(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        return clocks_of(gpu).max_sm_mhz
+
+    def nvmlDeviceGetApplicationsClock(self, handle: Any, clock_type: int) -> int:
+        gpu = self._device(handle)   # type: ignore[attr-defined]
+        if clock_type != pynvml.NVML_CLOCK_GRAPHICS or not limits_of(gpu).violation_counters:
+            raise _error(pynvml.NVML_ERROR_NOT_SUPPORTED)     # GeForce boards have no application clocks
+        return app_clock_mhz(gpu)
+
     def nvmlDeviceGetFieldValues(self, handle: Any, fieldIds: list[Any]) -> Any:
-        """The other mixins' fields (NVLink ...), then the memory temperature in its slots."""
+        """The other mixins' fields (NVLink ...), then the memory temperature and the throttle counters (at
+        the ids this driver version has them) in their slots."""
         values = super().nvmlDeviceGetFieldValues(handle, fieldIds)   # type: ignore[misc]
         gpu = self._device(handle)   # type: ignore[attr-defined]
+        counters = {fid: reason for reason, fid in
+                    throttle_counter_fields(self._state().driver_version).items()}   # type: ignore[attr-defined]
         for slot in values:
+            reason = counters.get(slot.fieldId)
+            if reason is not None:
+                if not limits_of(gpu).violation_counters:
+                    slot.nvmlReturn = pynvml.NVML_ERROR_NOT_SUPPORTED
+                else:
+                    slot.nvmlReturn, slot.valueType = pynvml.NVML_SUCCESS, pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG
+                    slot.value.ullVal = reason_ns(gpu, reason, self._thermal_now_s())
+                continue
             if slot.fieldId != pynvml.NVML_FI_DEV_MEMORY_TEMP:
                 continue
             if limits_of(gpu).mem_max_c is None:
@@ -212,7 +315,19 @@ def throttle(f: FaultArgs, state: NodeState, gpu: FakeGpu | None, node: FakeNode
     reason = f.params.get("reason", "hw_slowdown")
     if reason not in REASON_BITS:
         raise ValueError(f"fault 'throttle': reason must be one of {', '.join(REASON_BITS)}, got {reason!r}")
+    if reason == "sw_power_cap" and float(f.params.get("duty", 1.0)) == 1.0 and _always_capped(gpu):
+        return          # already capped all the time (by its power draw): the counters count it once
     _add_pattern(gpu, reason, f.params, node)
+
+
+def _always_capped(gpu: FakeGpu) -> bool:
+    return any(p["reason"] == "sw_power_cap" and p["duty"] == 1.0 for p in gpu.throttles)
+
+
+def _cap_if_at_limit(gpu: FakeGpu, node: FakeNode) -> None:
+    """A busy GPU drawing its whole limit is held there by the SW power cap from now on."""
+    if not gpu.idle and gpu.power_mw >= _POWER_CAP_SHARE * enforced_limit_mw(gpu) and not _always_capped(gpu):
+        _add_pattern(gpu, "sw_power_cap", {}, node)
 
 
 def power_brake(f: FaultArgs, state: NodeState, gpu: FakeGpu | None, node: FakeNode) -> None:
@@ -235,6 +350,7 @@ def heal(state: NodeState, gpus: list[FakeGpu], whole_node: bool) -> None:
         g.throttles = []
         g.temperature_c, g.memory_temperature_c, g.power_mw = 33, DEFAULT_MEMORY_TEMPERATURE_C, 72_000
         g.power_limit_mw = 0
+        g.app_clock_mhz = 0
 
 
 def power_draw(f: FaultArgs, state: NodeState, gpu: FakeGpu | None, node: FakeNode) -> None:
@@ -243,6 +359,28 @@ def power_draw(f: FaultArgs, state: NodeState, gpu: FakeGpu | None, node: FakeNo
     if "limit_watts" in f.params:
         gpu.power_limit_mw = int(f.params["limit_watts"] * 1000)
     gpu.utilization_pct = f.params.get("utilization", gpu.utilization_pct)
+    _cap_if_at_limit(gpu, node)
+
+
+def power_limit(f: FaultArgs, state: NodeState, gpu: FakeGpu | None, node: FakeNode) -> None:
+    """An operator (nvidia-smi -pl) or a management agent sets the GPU's enforced power limit; a busy GPU
+    then draws all of it (SW power cap) and its clocks fall."""
+    assert gpu is not None
+    watts = float(f.params["watts"])
+    if watts <= 0:
+        raise ValueError("fault 'power_limit': watts must be > 0")
+    gpu.power_limit_mw = int(watts * 1000)
+    if not gpu.idle:            # what it drew above the new limit, it no longer may
+        gpu.power_mw = min(gpu.power_mw, gpu.power_limit_mw)
+    _cap_if_at_limit(gpu, node)
+
+
+def application_clocks(f: FaultArgs, state: NodeState, gpu: FakeGpu | None, node: FakeNode) -> None:
+    assert gpu is not None
+    mhz = int(f.params["mhz"])
+    if mhz <= 0:
+        raise ValueError("fault 'application_clocks': mhz must be > 0")
+    gpu.app_clock_mhz = mhz
 
 
 FAULTS: tuple[FaultKind, ...] = (
@@ -258,4 +396,10 @@ FAULTS: tuple[FaultKind, ...] = (
     FaultKind("power_draw", True, {"watts": float, "limit_watts": float, "utilization": int}, ("watts",),
               power_draw, "the GPU draws this power (its enforced limit becomes limit_watts, its "
               "utilization this %); a busy GPU at its limit shows the SW power cap reason, which is normal"),
+    FaultKind("power_limit", True, {"watts": float}, ("watts",), power_limit,
+              "the GPU's enforced power limit is set to this (nvidia-smi -pl): a busy GPU draws all of it, is SW "
+              "power capped, and its SM clock falls below its siblings'"),
+    FaultKind("application_clocks", True, {"mhz": int}, ("mhz",), application_clocks,
+              "the GPU's application (target) graphics clock is set to this (nvidia-smi -ac): a busy GPU runs "
+              "no faster"),
 )

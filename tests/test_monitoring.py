@@ -139,7 +139,7 @@ def expositions(tmp_path_factory) -> dict[str, str]:
     """/metrics of real daemons once every labelled series the rules and the dashboard use exists: an
     H100 node driven through faults, and a V100 node for the metrics only pre-Ampere GPUs have."""
     checks = {"nccl": {"enabled": True, "timeout": 20}, "xid": {"interval": 0.5}, "pcie": {"interval": 0.5},
-              "visibility": {"interval": 0.5}}
+              "visibility": {"interval": 0.5}, "performance": {"interval": 0.5}}
     workdir = tmp_path_factory.mktemp("monitoring")
     with Emulator(rbac_paths=(REPO_DEPLOY,)) as emulator:
         h100 = local_daemon("h100-sxm-8", "gpu-mon", settings=fast_settings(), check_settings=checks, emulator=emulator,
@@ -154,7 +154,8 @@ def expositions(tmp_path_factory) -> dict[str, str]:
             h100.node.inject(Fault("xid", gpu=3, params={"code": 79}))
             h100.node.inject(Fault("pcie", gpu=5, params={"width": 8}))
             wanted = ('state="failed"', 'state="degraded"', "gpu_npd_xid_total{", 'code="503"',
-                      'gpu_npd_problem_gauge{reason="Xid79GpuFellOffBus"', "process_resident_memory_bytes")
+                      'gpu_npd_problem_gauge{reason="Xid79GpuFellOffBus"', "process_resident_memory_bytes",
+                      "gpu_npd_gpu_busy_sm_clock_mhz{")    # GPU 5 works under its PCIe fault: a busy clock
             assert h100.wait_for(lambda: all(w in scrape(address) for w in wanted), 20), \
                 [w for w in wanted if w not in scrape(address)]
             v100_address = v100.daemon.endpoints.address

@@ -132,6 +132,9 @@ RUN: dict[str, Spec] = {
         exit=1, why="'a fake node whose GPU 3 fell off the bus'; exit code 1: a problem was found",
         expect=r"GpuMissing/GpuFellOffBus"),
     "gpu-npd diagnose --nvml fake:h100-sxm-8 -o json": Spec(expect=r'"healthy": true'),
+    "gpu-npd diagnose --nvml fake:h100-sxm-8-nvlink-replay --duration 120": Spec(
+        exit=1, why="a watch of GPU 3's rising NVLink replays: a problem, exit 1",
+        expect=r"watched 120 of 120 s \(simulated time\)[\s\S]*NvlinkReplay"),
     "gpu-npd diagnose --nvml replay:nvidia-smi-q.xml":
         Spec(subst=(("replay:nvidia-smi-q.xml", f"replay:{REPLAYED}/nvidia-smi-q.xml"),),
              why="the real H100 VM's capture", expect="No problems found"),

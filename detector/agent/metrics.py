@@ -39,6 +39,7 @@ class AgentMetrics(AgentSink):
                                    "this reason", ["type", "reason"], registry=r)
         self._check_gauges: dict[str, Gauge] = {}       # made on a check's first run: its declared gauges
         self._check_metrics: dict[type[CheckMetrics], CheckMetrics] = {}    # and its own metrics
+        self._by_keys: dict[tuple[str, tuple[str, ...]], set[str]] = {}    # a `by` gauge's keys per series
         self.check_duration = Gauge("gpu_npd_check_duration_seconds", "Duration of the check's last run",
                                     ["check"], registry=r)
         self.check_runs = Counter("gpu_npd_check_runs", "Check runs by how they ended (ok, error, timeout)",
@@ -120,17 +121,45 @@ class AgentMetrics(AgentSink):
             self._info_series[g.pci_bus_id] = labels
 
     def _export(self, gauges: Mapping[str, GaugeSpec], obs: Observation) -> None:
-        """Set the gauges a check declares from one observation; a field it lacks (None) sets nothing."""
+        """Set the gauges a check declares from one observation; a field it lacks (None) sets nothing, or
+        removes the series where the gauge says `absent_when_null`."""
         gpu, bus = gpu_labels(obs)
         for metric, spec in gauges.items():
             value = obs.fields.get(spec.field)
-            if not isinstance(value, (int, float)):
+            labels = (gpu, bus, *(str(obs.fields.get(label, "")) for label in spec.labels))
+            if spec.by:
+                self._export_by(metric, spec, labels, value if isinstance(value, Mapping) else {})
                 continue
-            gauge = self._check_gauges.get(metric)
-            if gauge is None:
-                gauge = self._check_gauges[metric] = Gauge(metric, spec.help, ["gpu", "pci_bus_id", *spec.labels],
-                                                           registry=self.registry)
-            gauge.labels(gpu, bus, *(str(obs.fields.get(label, "")) for label in spec.labels)).set(float(value))
+            if not isinstance(value, (int, float)):
+                if value is None and spec.absent_when_null and metric in self._check_gauges:
+                    self._remove(self._check_gauges[metric], labels)
+                continue
+            self._gauge(metric, spec).labels(*labels).set(float(value))
+
+    def _gauge(self, metric: str, spec: GaugeSpec) -> Gauge:
+        gauge = self._check_gauges.get(metric)
+        if gauge is None:
+            names = ["gpu", "pci_bus_id", *spec.labels, *([spec.by] if spec.by else [])]
+            gauge = self._check_gauges[metric] = Gauge(metric, spec.help, names, registry=self.registry)
+        return gauge
+
+    def _export_by(self, metric: str, spec: GaugeSpec, labels: tuple[str, ...], values: Mapping) -> None:
+        """One series per key of a mapping field; keys that were set before and are gone lose theirs."""
+        gauge = self._gauge(metric, spec)
+        before = self._by_keys.get((metric, labels), set())
+        now = {str(k) for k, v in values.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        for key in now:
+            gauge.labels(*labels, key).set(float(values[key]))
+        for key in before - now:
+            self._remove(gauge, (*labels, key))
+        self._by_keys[(metric, labels)] = now
+
+    @staticmethod
+    def _remove(gauge: Gauge, labels: tuple[str, ...]) -> None:
+        try:
+            gauge.remove(*labels)
+        except KeyError:
+            pass
 
     def gpus(self, health: list[GpuHealth]) -> None:
         """One series per GPU; its labels change with its state, so the old series goes."""

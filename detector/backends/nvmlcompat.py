@@ -112,3 +112,44 @@ class GpuFabricInfoV2(ctypes.Structure):
 
     def __init__(self) -> None:
         super().__init__(version=HEADER_VALUES["nvmlGpuFabricInfo_v2"])
+
+
+# The cumulative time per clock event reason ("Clocks Event Reasons Counters" in nvidia-smi -q, nanoseconds
+# since the driver loaded) is read through nvmlDeviceGetFieldValues, but three of its field ids moved between
+# NVML headers, so the number to ask for depends on the running driver, never on the binding:
+# - SW power cap and sync boost are the old perf-policy ids NVML_FI_DEV_PERF_POLICY_POWER (74) and
+#   _SYNC_BOOST (76), aliased NVML_FI_DEV_CLOCKS_EVENT_REASON_SW_POWER_CAP / _SYNC_BOOST: the same everywhere.
+# - SW thermal, HW thermal and HW power brake: 251, 252, 253 in the nvml.h of the 575-580 drivers (pynvml of
+#   that era, NVML_FI_MAX 274, power smoothing at 256-273; nvidia-smi 580.65.06 asks for 251-253, per
+#   NVIDIA/k8s-test-infra's mock NVML tests); 269, 270, 271 in the later header (nvidia-ml-py 13.615.71, where
+#   251-268 became the power smoothing fields). Asking the wrong driver for them reads power smoothing
+#   settings as throttle time, so below 575 they are not asked for at all.
+THROTTLE_COUNTER_FIELDS_SINCE: tuple[tuple[tuple[int, ...], dict[str, int]], ...] = (
+    ((590,), {"sw_thermal_slowdown": 269, "hw_thermal_slowdown": 270, "hw_power_brake_slowdown": 271}),
+    ((575,), {"sw_thermal_slowdown": 251, "hw_thermal_slowdown": 252, "hw_power_brake_slowdown": 253}),
+)
+THROTTLE_COUNTER_FIELDS_ALWAYS: dict[str, int] = {"sw_power_cap": 74, "sync_boost": 76}
+
+
+def driver_major(version: str | None) -> tuple[int, ...] | None:
+    """'580.65.06' -> (580, 65, 6); None for an unknown or unreadable version."""
+    parts = []
+    for part in (version or "").strip().split("."):
+        if not part.isdigit():
+            break
+        parts.append(int(part))
+    return tuple(parts) or None
+
+
+def throttle_counter_fields(driver_version: str | None) -> dict[str, int]:
+    """Reason name -> the field id this driver gives its cumulative throttle time under (nanoseconds).
+    An unknown driver version gets only the ids every header agrees on."""
+    fields = dict(THROTTLE_COUNTER_FIELDS_ALWAYS)
+    version = driver_major(driver_version)
+    if version is None:
+        return fields
+    for since, ids in THROTTLE_COUNTER_FIELDS_SINCE:
+        if version >= since:
+            fields.update(ids)
+            break
+    return fields

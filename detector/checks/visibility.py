@@ -6,7 +6,8 @@ never dropped."""
 
 from __future__ import annotations
 
-from typing import Any
+import time
+from typing import Any, Callable
 
 from detector.backends.pci import PciDevice
 from detector.backends.smi_listing import SmiListing, parse_smi_list
@@ -51,8 +52,8 @@ class VisibilityCheck(Check):
     default_interval_s = 60.0
     default_timeout_s = 20.0
 
-    def __init__(self, config: dict[str, Any] | None = None):
-        super().__init__(config)
+    def __init__(self, config: dict[str, Any] | None = None, clock: Callable[[], float] = time.monotonic):
+        super().__init__(config, clock)
         # bus id -> UUID from earlier runs: a GPU that falls off the bus can no longer tell NVML its UUID,
         # and the message about it should still carry it (bounded by the GPUs a node can hold).
         self._uuids: dict[str, str] = {}

@@ -6,10 +6,11 @@ from __future__ import annotations
 import socket
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from detector.backends.pci import SysfsPciBus
 from detector.backends.smi import SubprocessSmi
+from detector.core.clock import SimulatedClock
 from detector.core.sweep import Host
 
 
@@ -21,16 +22,18 @@ class BackendError(Exception):
 
 
 def open_host(spec: str, *, node_name: str | None = None, sysfs_root: Path | None = None,
-              nvidia_smi: str | None = None, kernel_cursor: Path | None = None, post_mortem: bool = False) -> Host:
+              nvidia_smi: str | None = None, kernel_cursor: Path | None = None, post_mortem: bool = False,
+              clock: Callable[[], float] = time.monotonic) -> Host:
     """`kernel_cursor`: where the kernel-log reader keeps its place across restarts (the daemon's).
     `post_mortem`: only a saved log will be read, so a machine without an NVIDIA driver will do and
-    the live kernel log is not opened."""
+    the live kernel log is not opened. `clock`: a SimulatedClock makes a fake node's time pass only
+    between sweeps (`diagnose --duration`); real and replayed hosts keep the real clock."""
     kind, _, arg = spec.partition(":")
     if kind == "real" and not arg:
         return _real_host(node_name or socket.gethostname(), sysfs_root or Path("/sys"), nvidia_smi or "nvidia-smi",
                           kernel_cursor, post_mortem)
     if kind == "fake" and arg:
-        return _fake_host(arg, node_name, sysfs_root, nvidia_smi, kernel_cursor)
+        return _fake_host(arg, node_name, sysfs_root, nvidia_smi, kernel_cursor, clock)
     if kind == "replay":
         return _replay_host(arg, node_name)
     raise BackendError(f"--nvml {spec!r}: expected 'real', 'fake:SCENARIO', 'fake:PATH.yaml' or 'replay:PATH'")
@@ -116,7 +119,7 @@ def _shutdown(nvml: Any):
 
 
 def _fake_host(scenario: str, node_name: str | None, sysfs_root: Path | None, nvidia_smi: str | None,
-               kernel_cursor: Path | None) -> Host:
+               kernel_cursor: Path | None, clock: Callable[[], float] = time.monotonic) -> Host:
     import shutil
     import tempfile
 
@@ -130,11 +133,12 @@ def _fake_host(scenario: str, node_name: str | None, sysfs_root: Path | None, nv
     except SourceError as e:
         raise BackendError(f"fake scenario: {e}") from None
     if not nvidia_smi:
-        return fake_host(loaded.build(node_name), sysfs_root=sysfs_root, kernel_cursor=kernel_cursor)
+        return _on_clock(fake_host(loaded.build(node_name, clock=clock), sysfs_root=sysfs_root,
+                                   kernel_cursor=kernel_cursor), clock)
     # An external fake-nvidia-smi reads the node through a state file kept current on every fault.
     tmp = Path(tempfile.mkdtemp(prefix="gpu-npd-fake-"))
     state_file = tmp / "state.json"
-    node = loaded.build(node_name, on_change=mirror_to(state_file))
+    node = loaded.build(node_name, clock=clock, on_change=mirror_to(state_file))
     save_state(node, state_file)
     host = fake_host(node, sysfs_root=sysfs_root, smi_command=[nvidia_smi], smi_env={STATE_ENV: str(state_file)},
                      kernel_cursor=kernel_cursor)
@@ -144,4 +148,12 @@ def _fake_host(scenario: str, node_name: str | None, sysfs_root: Path | None, nv
         shutdown()
         shutil.rmtree(tmp, ignore_errors=True)
     host.close = close
+    return _on_clock(host, clock)
+
+
+def _on_clock(host: Host, clock: Callable[[], float]) -> Host:
+    """The host's checks and waits on the fake node's own clock: simulated time passes only by its sleep."""
+    host.clock = clock
+    if isinstance(clock, SimulatedClock):
+        host.sleep, host.simulated_time = clock.sleep, True
     return host

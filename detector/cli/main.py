@@ -10,6 +10,7 @@ import json
 import os
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Sequence
 
@@ -18,11 +19,13 @@ from detector.cli.hosts import BackendError, open_host
 from detector.cli.signals import Interrupted, on_stop_signals, restore
 from detector.config import UsageError, load_selected_checks
 from detector.core.check import CheckRegistry
+from detector.core.clock import SimulatedClock
 from detector.rules.loader import RuleErrors
 from detector.rules.sources import describe_rules, load_ruleset, rule_sources
 from detector.yamlsource import SourceError
 
 EXIT_HEALTHY, EXIT_PROBLEMS, EXIT_USAGE = 0, 1, 2
+MAX_DURATION_S = 86400.0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -73,6 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="examples:\n"
                "  gpu-npd diagnose                                   # this node, real NVML\n"
                "  gpu-npd diagnose --nvml fake:h100-sxm-8-xid79 -o json\n"
+               "  gpu-npd diagnose --duration 300                    # preflight: watch 5 min, judge rates\n"
+               "  gpu-npd diagnose --nvml fake:h100-sxm-8-nvlink-replay --duration 120   # simulated: instant\n"
                "  gpu-npd diagnose --rules +my-rules.yaml             # the bundled rules plus mine\n"
                "  gpu-npd diagnose --checks xid --kernel-log /var/log/kern.log   # post-mortem\n"
                "  journalctl -k -b -1 | gpu-npd diagnose --checks xid --kernel-log -\n"
@@ -99,6 +104,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "mode, syslog, journalctl short/iso/precise/monotonic/json/cat, kmsg, Talos; gzip, bzip2 "
                         "or xz), a directory or quoted glob of rotated pieces (read oldest first), or '-' for "
                         "stdin. Runs only the xid check unless --checks says otherwise; needs no NVIDIA driver")
+    d.add_argument("--duration", type=float, metavar="SECONDS",
+                   help="watch the node this long, each check on its interval, and judge windows and counter "
+                        "rates as the daemon does (a preflight for a job's nodes; Ctrl-C judges what was seen). "
+                        "Without it, one sweep: counters are judged as totals since the driver loaded, against "
+                        "the same-model GPUs beside them. On a fake node the time is simulated: it returns at once")
     d.add_argument("-o", "--output", choices=("table", "json"), default="table", help="default: table")
     d.add_argument("--node-name", default=os.environ.get("NODE_NAME"), help="default: $NODE_NAME or hostname")
     d.add_argument("--sysfs-root", type=Path, metavar="DIR", help="read sysfs (PCI bus, InfiniBand) under DIR (default: /sys); the driver check reads proc, dev and run beside it (DIR/../proc)")
@@ -142,7 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def cmd_diagnose(args: argparse.Namespace) -> int:
     # Imported here: `gpu-npd run` (the DaemonSet's long-lived process) never needs them.
-    from detector.agent.oneshot import diagnose_once
+    from detector.agent.oneshot import diagnose_once, diagnose_over
     from detector.checks.xid.logfiles import LogNotFound, saved_logs
     from detector.cli.render import Diagnosis, render_table
 
@@ -166,18 +176,37 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
         if "nccl" not in [n.strip() for n in selected.split(",")]:
             raise UsageError("--nccl-tests and --nccl-size configure the nccl check, which --checks leaves out")
         overrides["nccl"] = _nccl_overrides(args)
-    checks = load_selected_checks(registry, selected, args.config, overrides)
+    if args.duration is not None:
+        if not 0 < args.duration <= MAX_DURATION_S:
+            raise UsageError(f"--duration must be more than 0 and at most {MAX_DURATION_S:g} seconds (a day); "
+                             "for longer, run the daemon (gpu-npd run)")
+        if args.kernel_log or args.nvml.startswith("replay"):
+            raise UsageError("--duration watches a live node; a saved kernel log or a replayed capture does not "
+                             "change while it is watched")
+    clock = SimulatedClock() if args.duration and args.nvml.startswith("fake:") else time.monotonic
+    checks = load_selected_checks(registry, selected, args.config, overrides, clock=clock)
     post_mortem = bool(args.kernel_log) and [c.name for c in checks] == ["xid"]
     host = open_host(args.nvml, node_name=args.node_name, sysfs_root=args.sysfs_root, nvidia_smi=args.nvidia_smi,
-                     post_mortem=post_mortem)
+                     post_mortem=post_mortem, clock=clock)
     if not args.quiet:
         print(f"gpu-npd: {describe_rules(ruleset)}", file=sys.stderr, flush=True)
+    progress = None if args.quiet else _show_progress
+    watch = None
     try:
-        sweep, problems = diagnose_once(host, checks, ruleset, args.inventory_timeout,
-                                        progress=None if args.quiet else _show_progress)
+        if args.duration:
+            if not args.quiet:
+                time_kind = "simulated time of the fake node" if host.simulated_time else "Ctrl-C to stop early"
+                print(f"gpu-npd: watching the node for {args.duration:g} s ({time_kind})", file=sys.stderr,
+                      flush=True)
+            sweep, problems, watched = diagnose_over(host, checks, ruleset, args.duration, args.inventory_timeout,
+                                                     progress=progress)
+            watch = watched.to_dict()
+        else:
+            sweep, problems = diagnose_once(host, checks, ruleset, args.inventory_timeout, progress=progress)
     finally:
         host.close()
-    diagnosis = Diagnosis(args.nvml, sweep, problems, rule_sources(ruleset), replay=getattr(host, "replay", None))
+    diagnosis = Diagnosis(args.nvml, sweep, problems, rule_sources(ruleset), replay=getattr(host, "replay", None),
+                          watch=watch)
     if args.output == "json":
         print(json.dumps(diagnosis.to_dict(), indent=2))
     else:
@@ -214,7 +243,7 @@ def cmd_checks(args: argparse.Namespace) -> int:
         for field, meaning in {**cls.fields}.items():
             print(f"  field {field}: {meaning}")
         for metric, gauge in cls.gauges.items():
-            labels = ",".join(("gpu", "pci_bus_id", *gauge.labels))
+            labels = ",".join(("gpu", "pci_bus_id", *gauge.labels, *([gauge.by] if gauge.by else [])))
             print(f"  metric {metric}{{{labels}}}: {gauge.help} (field {gauge.field})")
         print()
     print("Every check also has the fields check, check_status, check_error and duration_ms, and the settings\n"

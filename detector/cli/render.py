@@ -18,6 +18,7 @@ class Diagnosis:
     problems: list[Problem]
     rules: list[dict] | None = None       # the active rule sets: [{"source", "rules"}]
     replay: dict | None = None            # --nvml replay:PATH: what was replayed (path, format, driver, judged)
+    watch: dict | None = None             # --duration: how long the node was watched (oneshot.Watch.to_dict)
 
     def health(self) -> dict[str, GpuHealth]:
         """Each GPU's state (healthy, degraded, failed) and recommended action from the problems naming
@@ -46,6 +47,7 @@ class Diagnosis:
             "rules": self.rules,
             "checks": [run.to_dict() for run in self.sweep.runs],
             **({"replay": self.replay} if self.replay else {}),
+            "watch": self.watch,
         }
 
 
@@ -56,6 +58,14 @@ def render_table(d: Diagnosis) -> str:
     if d.replay:
         lines.append(f"replay of {d.replay['path']} ({d.replay['format']}, captured {d.replay['captured'] or 'unknown'}): "
                      f"{d.replay['judged']}")
+    if d.watch:
+        w = d.watch
+        lines.append(f"watched {w['watched_s']:g} of {w['duration_s']:g} s ({w['time']} time), {w['sweeps']} sweep(s)"
+                     + (": interrupted, judged on what was seen" if w["interrupted"] else "")
+                     + "; rates and windows judged as the daemon judges them")
+    elif not d.replay:
+        lines.append("one sweep: counters are judged as totals since the driver loaded, against the same-model GPUs "
+                     "beside them; --duration SECONDS watches the node and judges rates")
     if inv.nvml_error == "LibraryNotFound":
         lines.append("NVML: no NVIDIA driver on this machine (LibraryNotFound); GPUs are named by bus id")
     elif inv.nvml_error:

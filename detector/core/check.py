@@ -54,11 +54,18 @@ class CheckSkipped(Exception):
 class GaugeSpec:
     """A Prometheus gauge the daemon exports from one numeric field of a check's observations. Its
     series are labelled by the observation's GPU (`gpu`, `pci_bus_id`) and by `labels`, other fields
-    of the observation (a link number, a port). Declared, not coded, so a check needs no metrics code."""
+    of the observation (a link number, a port, a GPU model). Declared, not coded, so a check needs no
+    metrics code.
+
+    `by`: the field is a mapping of label value -> number (throttle share by reason), one series each,
+    labelled `by`; a key gone from the mapping loses its series. `absent_when_null`: a field that becomes
+    null removes the series instead of leaving its last value (a busy clock while the GPU is idle)."""
 
     field: str
     help: str
     labels: tuple[str, ...] = ()
+    by: str = ""
+    absent_when_null: bool = False
 
 
 class CheckMetrics(ABC):

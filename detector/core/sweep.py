@@ -38,6 +38,9 @@ class Host:
     snapshot: bool = False             # one saved capture (a replay): what it shows counts as held
     node_status: Callable[[], NodeStatus | None] = lambda: None   # what the cluster says of this node, as
                                        # last read (detector/core/nodestatus.py); None: unknown (no API server)
+    clock: Callable[[], float] = time.monotonic   # what checks judging over time read (their windows)
+    sleep: Callable[[float], None] = time.sleep   # waits between sweeps of a watch (`diagnose --duration`)
+    simulated_time: bool = False       # clock and sleep are a fake node's simulated time, not the real one
 
     def current_boot(self) -> str:
         """This boot now: a fake node can reboot under a running agent, a real machine cannot."""

@@ -83,6 +83,7 @@ def _gpu(g: Node, path: str) -> GpuSnapshot:
         reasons=_reasons(g.section("clocks_event_reasons", "clocks_throttle_reasons")),
         reason_counters_us=_counters(g.section("clocks_event_reasons_counters", "clocks_throttle_reasons_counters")),
         **temps,
+        **_clocks(g),
         power_w=_float(g.get("gpu_power_readings/power_draw", "power_readings/power_draw",
                              "gpu_power_readings/instant_power_draw", "gpu_power_readings/instantaneous_power_draw",
                              "gpu_power_readings/average_power_draw")),
@@ -231,6 +232,15 @@ def _counters(node: Node | None) -> dict[str, int]:
         if name is not None and value is not None:
             out[name] = value
     return out
+
+
+def _clocks(g: Node) -> dict:
+    """SM clock now, the rated max SM clock and the application (target) graphics clock: XML <clocks><sm_clock>,
+    <max_clocks><sm_clock>, <applications_clocks><graphics_clock>; text "Clocks / SM", "Max Clocks / SM",
+    "Applications Clocks / Graphics". "N/A" (a VM, GeForce application clocks) reads as not captured."""
+    return {"sm_clock_mhz": _int(g.get("clocks/sm_clock", "clocks/sm")),
+            "max_sm_clock_mhz": _int(g.get("max_clocks/sm_clock", "max_clocks/sm")),
+            "app_clock_mhz": _int(g.get("applications_clocks/graphics_clock", "applications_clocks/graphics"))}
 
 
 def _temperatures(g: Node) -> dict:

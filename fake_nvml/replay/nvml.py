@@ -12,7 +12,7 @@ from typing import Any
 
 import pynvml
 
-from detector.backends.nvmlcompat import constant as nvml_constant
+from detector.backends.nvmlcompat import constant as nvml_constant, throttle_counter_fields
 
 from detector.backends.pciaddr import nvml_bus_id
 from fake_nvml.nvml import from_pynvml
@@ -289,10 +289,27 @@ class ReplayNvml:
 
     nvmlDeviceGetPowerManagementLimit = nvmlDeviceGetEnforcedPowerLimit
 
+    def nvmlDeviceGetClockInfo(self, handle: Any, clock_type: int) -> int:
+        if clock_type != pynvml.NVML_CLOCK_SM:
+            raise _error(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        return _known(self._gpu(handle).sm_clock_mhz)
+
+    def nvmlDeviceGetMaxClockInfo(self, handle: Any, clock_type: int) -> int:
+        if clock_type != pynvml.NVML_CLOCK_SM:
+            raise _error(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        return _known(self._gpu(handle).max_sm_clock_mhz)
+
+    def nvmlDeviceGetApplicationsClock(self, handle: Any, clock_type: int) -> int:
+        if clock_type != pynvml.NVML_CLOCK_GRAPHICS:
+            raise _error(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        return _known(self._gpu(handle).app_clock_mhz)
+
     # -- field values: only what the snapshot holds ------------------------------------------------
 
     def nvmlDeviceGetFieldValues(self, handle: Any, fieldIds: list[Any]) -> Any:
         gpu = self._gpu(handle)
+        # the throttle counters at the ids the captured driver has them (nvidia-smi read them there)
+        counters = {fid: reason for reason, fid in throttle_counter_fields(self.snapshot.driver_version).items()}
         values = (pynvml.c_nvmlFieldValue_t * len(fieldIds))()
         for slot, requested in zip(values, fieldIds):
             field_id, scope = requested if isinstance(requested, tuple) else (requested, 0)
@@ -302,6 +319,12 @@ class ReplayNvml:
                 value = gpu.memory_temperature_c
             elif field_id == nvml_constant("NVML_FI_DEV_GET_GPU_RECOVERY_ACTION") and gpu.recovery_action is not None:
                 value = RECOVERY_ACTIONS.get(gpu.recovery_action.strip().lower())
+            elif field_id in counters:      # the capture's microseconds, as the driver's nanoseconds
+                us = gpu.reason_counters_us.get(counters[field_id])
+                if us is not None:
+                    slot.nvmlReturn, slot.valueType = pynvml.NVML_SUCCESS, pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG
+                    slot.value.ullVal = us * 1000
+                continue
             if value is not None:
                 slot.nvmlReturn, slot.valueType = pynvml.NVML_SUCCESS, pynvml.NVML_VALUE_TYPE_UNSIGNED_INT
                 slot.value.uiVal = value

@@ -72,6 +72,9 @@ class GpuSnapshot:
     thresholds_from_tlimit: bool = False       # derived from T.Limit margins (driver 565+ prints only those)
     power_w: float | None = None
     power_limit_w: float | None = None
+    sm_clock_mhz: int | None = None            # Clocks / SM
+    max_sm_clock_mhz: int | None = None        # Max Clocks / SM
+    app_clock_mhz: int | None = None           # Applications Clocks / Graphics
     utilization_pct: int | None = None
     memory_total_mib: int | None = None
     memory_used_mib: int | None = None

@@ -3,8 +3,9 @@ counters as rates over a window. Facts only; rules/infiniband.yaml says what the
 
 from __future__ import annotations
 
+import time
 from fnmatch import fnmatch
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from detector.backends.infiniband import COUNTER_BITS, IbPort, IbSnapshot, counter_max
 from detector.checks.infiniband.expect import Expectations, port_name
@@ -89,8 +90,8 @@ class InfinibandCheck(Check):
     default_timeout_s = 10.0
     needs_fresh_inventory = False          # reads no GPU at all
 
-    def __init__(self, config: Mapping[str, Any] | None = None):
-        super().__init__(config)
+    def __init__(self, config: Mapping[str, Any] | None = None, clock: Callable[[], float] = time.monotonic):
+        super().__init__(config, clock)
         if self.config["window"] <= 0:
             raise ValueError("check 'infiniband': window must be a positive number of seconds")
         self.expect = Expectations(tuple(port_name(str(p)) for p in self.config["ports"]),

@@ -13,8 +13,9 @@ import os
 import shutil
 import tempfile
 import threading
+import time
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from detector.checks.nccl.metrics import NcclMetrics
 from detector.checks.nccl.probe import ProbeBackend, ProbeRequest, ProbeResult, ProbeUnavailable
@@ -66,8 +67,8 @@ class NcclCheck(Check):
     long_running = True
     metrics = NcclMetrics
 
-    def __init__(self, config: dict[str, Any] | None = None):
-        super().__init__(config)
+    def __init__(self, config: dict[str, Any] | None = None, clock: Callable[[], float] = time.monotonic):
+        super().__init__(config, clock)
         if self.config["backend"] not in BACKENDS:
             raise ValueError(f"check 'nccl': backend {self.config['backend']!r} is not one of {', '.join(BACKENDS)}")
         try:

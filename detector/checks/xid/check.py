@@ -20,7 +20,7 @@ import time
 from collections import deque
 from dataclasses import replace
 from datetime import datetime, timezone
-from typing import Any
+from typing import Any, Callable
 
 from detector.backends.kernlog.driverlines import PCIE_AER, AerReports, DriverEvent, parse_driver_line
 from detector.backends.kernlog.records import LogLine, is_kernel
@@ -117,8 +117,8 @@ class XidCheck(Check):
     needs_fresh_inventory = False
     metrics = XidMetrics
 
-    def __init__(self, config: dict[str, Any] | None = None):
-        super().__init__(config)
+    def __init__(self, config: dict[str, Any] | None = None, clock: Callable[[], float] = time.monotonic):
+        super().__init__(config, clock)
         self._listener: NvmlXidListener | None = None
         self._incidents = IncidentTracker(self.config["incident_gap_s"], self.config["dedupe_window_s"])
         self._drivers = DriverIncidents(self.config["incident_gap_s"], self.config["aer_window_s"])

@@ -5,6 +5,7 @@ it names, an AER line's severity and port), and every look-alike gives none."""
 from __future__ import annotations
 
 import io
+import json
 
 import pytest
 
@@ -17,6 +18,7 @@ from detector.backends.kernlog.driverlines import (
 )
 from detector.checks.xid.parser import KernelEvent
 from detector.checks.xid.scan import scan_stream
+from detector.cli.main import main
 from tests.test_driver_lines_corpus import DOCS
 
 
@@ -104,3 +106,17 @@ def test_minute_stamp_times_dmesg_H_delta_lines():
     [event] = [p for p in got if getattr(p, "kind", "") == "rm_init_failed"]
     from datetime import datetime, timezone
     assert event.time == datetime(2025, 5, 19, 19, 57, tzinfo=timezone.utc).timestamp()
+
+
+@pytest.mark.parametrize("stem,doc", DOCS, ids=[d[0] for d in DOCS])
+def test_each_excerpt_through_diagnose_gives_its_findings(stem, doc, tmp_path, capsys):
+    """`diagnose --checks xid --kernel-log EXCERPT` reports exactly the file's findings, each on its GPU (by
+    bus id: the excerpts come from other machines than the fake node's), and nothing on a look-alike."""
+    path = tmp_path / "kern.log"
+    path.write_text("".join(as_logged(e["line"]) + "\n" for e in doc["lines"]))
+    code = main(["diagnose", "--nvml", "fake:h100-sxm-8", "--checks", "xid", "-q", "-o", "json",
+                 "--kernel-log", str(path)])
+    report = json.loads(capsys.readouterr().out)
+    got = {(p["rule"], g["pci_bus_id"]) for p in report["problems"] for g in (p["gpu_details"] or [{"pci_bus_id": None}])}
+    assert got == {(f["rule"], f["gpu"]) for f in doc["findings"]}
+    assert code == (1 if doc["findings"] else 0)

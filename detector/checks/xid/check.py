@@ -78,6 +78,8 @@ FIELDS = {
     "reports_in_window": "pcie_aer corrected: corrected AER reports on this GPU within aer_window_s; else null",
     "driver_gpu": "`NVRM: GPU6 ...`: the driver's own GPU number (not NVML's index), else null",
     "minor": "rm_init_failed: the device minor number (/dev/nvidiaN) the line names, else null",
+    "index_from": "driver lines: where the GPU's index comes from: NVML, or 'PCI bus order (NVML does not "
+                  "enumerate it)' for a GPU on the PCI bus that NVML does not list; '' when it has none",
 }
 TABLE_IGNORED = 5          # user-space lines named in diagnose's table
 TABLE_EVENTS = 20          # kernel events listed in diagnose's table; JSON lists up to max_kernel_events
@@ -158,10 +160,14 @@ class XidCheck(Check):
                                     gpu_for(i.first.pci_bus_id, gpus, self._uuids),
                                     i.first_time if i.first_time is not None else now)
                         for i in self._incidents.groups]
-        observations += [Observation(self.name, d.fields(), None if d.first.kind == "peermem_failed"
-                                     else gpu_for(d.gpu or "", gpus, self._uuids),
-                                     d.first_time if d.first_time is not None else now)
-                         for d in self._drivers.groups]
+        pci_order = [d.bus_id for d in ctx.pci_gpus or []] if not ctx.inventory.nvml_error else []
+        for d in self._drivers.groups:
+            gpu = None if d.first.kind == "peermem_failed" else _named(gpu_for(d.gpu or "", gpus, self._uuids),
+                                                                        pci_order)
+            fields = {**d.fields(), "index_from": "" if gpu is None or gpu.index is None else
+                      "NVML" if d.gpu in gpus else "PCI bus order (NVML does not enumerate it)"}
+            observations.append(Observation(self.name, fields, gpu, d.first_time if d.first_time is not None
+                                            else now))
         result = {
             "kernel_log": source, "lines_scanned": run.lines, "nvml_events": nvml_count,
             "kernel_events": run.events, "kernel_events_omitted": run.omitted,
@@ -304,6 +310,15 @@ class XidCheck(Check):
             event = KernelEvent("xid", e.code, bus, "reported by NVML's event API")
             self._incidents.add_nvml(event, ctx.host.current_boot(), e.arrived)
         return len(events)
+
+
+def _named(gpu: GpuRef, pci_order: list[str]) -> GpuRef:
+    """A GPU NVML does not enumerate (its RM init failed) is numbered by its place among the NVIDIA GPUs on
+    the PCI bus in bus order: the index NVML gives it when it does enumerate it (NVML numbers GPUs in PCI bus
+    order), and the observation's `index_from` says so. A GPU not on the PCI bus stays unnumbered."""
+    if gpu.index is not None or not gpu.pci_bus_id or gpu.pci_bus_id not in pci_order:
+        return gpu
+    return GpuRef(pci_order.index(gpu.pci_bus_id), gpu.uuid, gpu.pci_bus_id)
 
 
 def _proven_kernel(line: LogLine, parsed: Any) -> bool:

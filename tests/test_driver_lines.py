@@ -120,3 +120,21 @@ def test_each_excerpt_through_diagnose_gives_its_findings(stem, doc, tmp_path, c
     got = {(p["rule"], g["pci_bus_id"]) for p in report["problems"] for g in (p["gpu_details"] or [{"pci_bus_id": None}])}
     assert got == {(f["rule"], f["gpu"]) for f in doc["findings"]}
     assert code == (1 if doc["findings"] else 0)
+
+
+def test_lines_read_around_a_driver_line_are_read_once_with_their_own_numbers():
+    """A port's AER lines before a GPU's, a candidate line between them, and the probe failures before the
+    driver's summary: each line once, numbered as in the file."""
+    lines = ["[  1.0] pcieport 0000:00:03.0: AER: Uncorrected (Fatal) error received: 0000:03:00.0",
+             "[  1.0] nvidia 0000:03:00.0: enabling device (0000 -> 0003)",
+             "[  1.0] pcieport 0000:00:03.0: PCIe Bus Error: severity=Uncorrected (Fatal), type=Transaction Layer",
+             "[  1.0] nvidia 0000:03:00.0: AER: can't recover (no error_detected callback)",
+             "[  1.0] pcieport 0000:00:03.0: AER: Root Port link has been reset (0)",
+             "[  2.0] nvidia: probe of 0000:14:00.0 failed with error -1",
+             "[  2.0] nvidia 0000:1b:00.0: vgaarb: changed VGA decodes",
+             "[  2.0] NVRM: The NVIDIA probe routine failed for 1 device(s)."]
+    got = []
+    scan_stream(io.BytesIO("".join(x + "\n" for x in lines).encode()), lambda n, p, t: got.append((n, t)),
+                year=2025, drivers=True)
+    assert sorted(got) == [(n, lines[n - 1]) for n in (1, 3, 4, 5, 6, 8)]
+    assert len(got) == len(set(got))

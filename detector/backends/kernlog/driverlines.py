@@ -48,10 +48,16 @@ KINDS = (RM_INIT_FAILED, FALLEN_OFF_BUS, GSP_TIMEOUT, PCIE_AER, PEERMEM_FAILED, 
 FATAL, UNCORRECTED, CORRECTED = "fatal", "uncorrected", "corrected"
 NVIDIA_VENDOR = 0x10DE
 
-# The saved-log # scanner finds such lines with NEEDLES; PCIe AER lines of ports are read only around a GPU's AER line
-# (BURST_NEEDLES, see detector/checks/xid/scan.py): a root port's corrected errors are common noise.
-NEEDLES = (b"nvidia 0", b"nvidia: probe", b"peer_mem", b"peermem", b"[10de:")
+# The saved-log scanner finds these lines with NEEDLES (beside the XID scanner's `NVRM`), chosen for
+# speed: every literal costs the SIMD pass over the whole log, and a short one that common lines share
+# (`nvidia-uvm`, `nvidia-modeset`) costs most. `dia 00` is an endpoint's `nvidia 0000:...` (domains
+# 0000-00ff). Some lines are read only around a line that needs them (see detector/checks/xid/scan.py):
+# a port's PCIe AER lines around a GPU's AER line (BURST_NEEDLES: a root port's corrected errors are common
+# noise), and `nvidia: probe of 0000:14:00.0 failed` before the `NVRM: The NVIDIA probe routine failed for
+# N device(s)` the driver prints after them (PROBE_NEEDLES).
+NEEDLES = (b"dia 00", b"peer_mem", b"peermem")
 BURST_NEEDLES = (b"AER", b"PCIe Bus Error", b"pcieport ", b"error status/mask")
+PROBE_NEEDLES = (b"probe of ",)
 
 _BUS = r"[0-9a-fA-F]{4,8}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2}\.[0-7]|[0-9a-fA-F]{2}:[0-9a-fA-F]{2}\.[0-7]"
 _NVRM = re.compile(rf"^NVRM:? (?:GPU (?:at )?(?:PCI:)?(?P<bus>{_BUS}):? |GPU(?P<gpu>\d+):? )?(?P<body>.*)$", re.S)

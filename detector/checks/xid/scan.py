@@ -19,7 +19,15 @@ import re
 from dataclasses import dataclass, replace
 from typing import BinaryIO, Callable
 
-from detector.backends.kernlog.driverlines import BURST_LINES, BURST_NEEDLES, PCIE_AER, DriverEvent, parse_driver_line
+from detector.backends.kernlog.driverlines import (
+    BURST_LINES,
+    BURST_NEEDLES,
+    PCIE_AER,
+    PROBE_NEEDLES,
+    RM_INIT_FAILED,
+    DriverEvent,
+    parse_driver_line,
+)
 from detector.backends.kernlog.driverlines import NEEDLES as DRIVER_NEEDLES
 from detector.backends.kernlog.logfile import MAX_LINE
 from detector.backends.kernlog.wrappers import human_stamp_time
@@ -134,8 +142,9 @@ def _scan_buffer(buf: bytearray, end: int, lines_before: int, on_line: OnLine, y
     counted_to, lineno = 0, lines_before
     stats.minute_from = 0
     starts = find(buf, end)
-    pending: list[int] = []            # lines of an AER burst after the GPU's line, still to read
-    last = -1                          # the start of the last line read
+    pending: list[int] = []            # lines read around a driver line, after it, still to read
+    done: set[int] = set()             # lines read around a driver line (its burst), once each
+    last = -1                          # the start of the last line read in order
     i = 0
     while i < len(starts) or pending:
         found = not pending or (i < len(starts) and starts[i] < pending[0])
@@ -144,20 +153,29 @@ def _scan_buffer(buf: bytearray, end: int, lines_before: int, on_line: OnLine, y
             i += 1
         else:
             line_start = pending.pop(0)
-        if line_start <= last:
+        if line_start <= last or line_start in done:
             continue
+        done.add(line_start)
         text, line_end = _line(buf, line_start, end)
         stats.candidates += 1
         parsed = _parse(text, year, stats.drivers)
-        if found and isinstance(parsed, DriverEvent) and parsed.kind == PCIE_AER and not parsed.port:
-            before, after = _burst(buf, line_start, line_end, end, last)
-            for start in before:                       # the burst's lines before the GPU's, in order
+        needles = _around(parsed) if found else ()
+        if needles:
+            before, after = _burst(buf, line_start, line_end, end, needles)
+            for start in before:                       # the lines before it, in order (some may come
+                if start in done:                      # before a candidate already read: numbered apart)
+                    continue
+                done.add(start)
                 btext, _ = _line(buf, start, end)
                 bparsed = _parse(btext, year, True)
-                lineno += buf.count(b"\n", counted_to, start)
-                counted_to = last = start
+                if start > counted_to:
+                    lineno += buf.count(b"\n", counted_to, start)
+                    counted_to = last = start
+                    number = lineno + 1
+                else:
+                    number = lineno + 1 - buf.count(b"\n", start, counted_to)
                 if bparsed is not None:
-                    _emit(buf, start, lineno + 1, bparsed, btext, on_line, year, stats)
+                    _emit(buf, start, number, bparsed, btext, on_line, year, stats)
             pending = sorted(set(pending) | set(after))
         lineno += buf.count(b"\n", counted_to, line_start)
         counted_to = last = line_start
@@ -166,6 +184,18 @@ def _scan_buffer(buf: bytearray, end: int, lines_before: int, on_line: OnLine, y
     if stats.relative:                 # the minute the next buffer's first delta lines belong to
         _minute_before(buf, end, year, stats)
     return lineno + buf.count(b"\n", counted_to, end)
+
+
+def _around(parsed: Parsed | DriverEvent | None) -> tuple[bytes, ...]:
+    """The lines a driver line needs read around it: a GPU's AER line its burst's port lines; the driver's
+    `probe routine failed for N device(s)` the `nvidia: probe of BUS failed` lines before it."""
+    if not isinstance(parsed, DriverEvent):
+        return ()
+    if parsed.kind == PCIE_AER and not parsed.port:
+        return BURST_NEEDLES
+    if parsed.kind == RM_INIT_FAILED and "probe routine failed" in parsed.text:
+        return PROBE_NEEDLES
+    return ()
 
 
 def _parse(text: str, year: int | None, drivers: bool) -> Parsed | DriverEvent | None:
@@ -211,15 +241,15 @@ def _minute_before(buf: bytearray, start: int, year: int | None, stats: ScanStat
     return stats.minute
 
 
-def _burst(buf: bytearray, start: int, line_end: int, end: int, last: int) -> tuple[list[int], list[int]]:
-    """The AER lines within BURST_LINES lines of a GPU's AER line (a port's report about it): those before
-    it (after the last line already read) and after it."""
+def _burst(buf: bytearray, start: int, line_end: int, end: int,
+           needles: tuple[bytes, ...]) -> tuple[list[int], list[int]]:
+    """The lines holding `needles` within BURST_LINES lines of a line (a port's AER report about a GPU, the
+    probe failures before the driver's summary), in this buffer: those before it and those after it."""
     lo = start
     for _ in range(BURST_LINES):
-        if lo <= 0 or lo <= last + 1:
+        if lo <= 0:
             break
         lo = buf.rfind(b"\n", 0, lo - 1) + 1
-    lo = max(lo, last + 1)
     hi = line_end
     for _ in range(BURST_LINES):
         nxt = buf.find(b"\n", hi + 1, end)
@@ -227,12 +257,12 @@ def _burst(buf: bytearray, start: int, line_end: int, end: int, last: int) -> tu
             break
         hi = nxt
     found: set[int] = set()
-    for needle in BURST_NEEDLES:
+    for needle in needles:
         pos = buf.find(needle, lo, hi)
         while pos != -1:
             found.add(buf.rfind(b"\n", 0, pos) + 1)
             pos = buf.find(needle, buf.find(b"\n", pos, end) + 1, hi)
-    return sorted(s for s in found if last < s < start), sorted(s for s in found if s > start)
+    return sorted(s for s in found if s < start), sorted(s for s in found if s > start)
 
 
 def find_passes(buf: bytearray, end: int, needles: tuple[bytes, ...] = NEEDLES) -> list[int]:

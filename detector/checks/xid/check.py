@@ -185,7 +185,8 @@ class XidCheck(Check):
         counts: dict[int, int] = {}
         for i in sorted(self._incidents.groups, key=lambda i: (i.first_time is None, i.first_time or 0.0)):
             e = i.first
-            if e.kind != "xid" or e.code in APPLICATION_XIDS or not e.pci_bus_id or i.first_time is None:
+            if e.kind != "xid" or e.code in APPLICATION_XIDS or not e.pci_bus_id or i.first_time is None \
+                    or (e.pci_bus_id not in self._xid_times and len(self._xid_times) >= 4096):
                 continue
             times = self._xid_times.setdefault(e.pci_bus_id, deque(maxlen=4096))
             if i.new and i.follows is None:

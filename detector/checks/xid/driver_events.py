@@ -96,9 +96,9 @@ class DriverIncidents:
             incident.headlines += event.headline
             if event.port and event.pci_bus_id:
                 incident.ports.add(event.pci_bus_id)
-            if event.severity == CORRECTED and gpu and event.headline and when is not None:
-                times = self._corrected.setdefault(gpu, deque(maxlen=_REMEMBERED))
-                times.append(when)
+            if event.severity == CORRECTED and gpu and event.headline and when is not None \
+                    and (gpu in self._corrected or len(self._corrected) < _REMEMBERED):
+                self._corrected.setdefault(gpu, deque(maxlen=_REMEMBERED)).append(when)
         if when is not None:
             incident.last_time = when if incident.last_time is None else max(incident.last_time, when)
         if key not in self._last and len(self._last) >= _REMEMBERED:

@@ -16,6 +16,7 @@ no piece is taken for a line the kernel wrote and the line numbers after it stay
 from __future__ import annotations
 
 import re
+from bisect import bisect_left
 from dataclasses import dataclass, replace
 from typing import BinaryIO, Callable
 
@@ -141,9 +142,10 @@ def _scan_buffer(buf: bytearray, end: int, lines_before: int, on_line: OnLine, y
                  stats: ScanStats, find: Finder) -> int:
     counted_to, lineno = 0, lines_before
     stats.minute_from = 0
+    drivers = stats.drivers
     starts = find(buf, end)
     pending: list[int] = []            # lines read around a driver line, after it, still to read
-    done: set[int] = set()             # lines read around a driver line (its burst), once each
+    done: set[int] = set()             # lines read around a driver line, out of the candidates' order
     last = -1                          # the start of the last line read in order
     i = 0
     while i < len(starts) or pending:
@@ -153,17 +155,19 @@ def _scan_buffer(buf: bytearray, end: int, lines_before: int, on_line: OnLine, y
             i += 1
         else:
             line_start = pending.pop(0)
-        if line_start <= last or line_start in done:
+            done.discard(line_start)               # read now, in order
+        if line_start <= last or (done and line_start in done):
             continue
-        done.add(line_start)
-        text, line_end = _line(buf, line_start, end)
+        line_end = buf.find(b"\n", line_start, end)
+        text = buf[line_start:line_end].decode("utf-8", "replace")
         stats.candidates += 1
-        parsed = _parse(text, year, stats.drivers)
-        needles = _around(parsed) if found else ()
-        if needles:
+        parsed = parse_line(text, year)
+        if parsed is None and drivers:
+            parsed = parse_driver_line(text, year)
+        if found and parsed.__class__ is DriverEvent and (needles := _around(parsed)):
             before, after = _burst(buf, line_start, line_end, end, needles)
-            for start in before:                       # the lines before it, in order (some may come
-                if start in done:                      # before a candidate already read: numbered apart)
+            for start in before:                       # the lines before it, in order; one before a
+                if start in done or _is_candidate(starts, start, i):   # candidate read is numbered apart
                     continue
                 done.add(start)
                 btext, _ = _line(buf, start, end)
@@ -176,14 +180,24 @@ def _scan_buffer(buf: bytearray, end: int, lines_before: int, on_line: OnLine, y
                     number = lineno + 1 - buf.count(b"\n", start, counted_to)
                 if bparsed is not None:
                     _emit(buf, start, number, bparsed, btext, on_line, year, stats)
+            done.update(after)
             pending = sorted(set(pending) | set(after))
         lineno += buf.count(b"\n", counted_to, line_start)
         counted_to = last = line_start
         if parsed is not None:
-            _emit(buf, line_start, lineno + 1, parsed, text, on_line, year, stats)
+            stats.parsed += 1
+            if drivers and text[:1] == "[" and "+" in text[1:8]:
+                parsed = _delta_timed(buf, line_start, parsed, text, year, stats)
+            on_line(lineno + 1, parsed, text)
     if stats.relative:                 # the minute the next buffer's first delta lines belong to
         _minute_before(buf, end, year, stats)
     return lineno + buf.count(b"\n", counted_to, end)
+
+
+def _is_candidate(starts: list[int], start: int, read: int) -> bool:
+    """Whether `start` is one of the candidates already read (the first `read` of `starts`)."""
+    k = bisect_left(starts, start, 0, read)
+    return k < read and starts[k] == start
 
 
 def _around(parsed: Parsed | DriverEvent | None) -> tuple[bytes, ...]:
@@ -213,13 +227,19 @@ def _line(buf: bytearray, start: int, end: int) -> tuple[str, int]:
 def _emit(buf: bytearray, start: int, lineno: int, parsed: Parsed | DriverEvent, text: str, on_line: OnLine,
           year: int | None, stats: ScanStats) -> None:
     stats.parsed += 1
-    if stats.drivers and isinstance(parsed, (KernelEvent, DriverEvent)) and parsed.time is None \
-            and text.startswith("[") and "+" in text[1:8]:
-        stats.relative = True
-        when = _minute_before(buf, start, year, stats)
-        if when is not None:
-            parsed = replace(parsed, time=when)
+    if stats.drivers and text[:1] == "[" and "+" in text[1:8]:
+        parsed = _delta_timed(buf, start, parsed, text, year, stats)
     on_line(lineno, parsed, text)
+
+
+def _delta_timed(buf: bytearray, start: int, parsed: Parsed | DriverEvent, text: str, year: int | None,
+                 stats: ScanStats) -> Parsed | DriverEvent:
+    """A `dmesg -H` delta line's event, given the time of the minute stamp before it."""
+    if not isinstance(parsed, (KernelEvent, DriverEvent)) or parsed.time is not None:
+        return parsed
+    stats.relative = True
+    when = _minute_before(buf, start, year, stats)
+    return parsed if when is None else replace(parsed, time=when)
 
 
 # `dmesg -H` prints a minute stamp (`[May19 19:57]`) when the minute changes and the delta since the line

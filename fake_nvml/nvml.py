@@ -19,9 +19,11 @@ from detector.backends.pciaddr import normalize_bus_id, nvml_bus_id
 from fake_nvml.identity import board_of
 from fake_nvml.node import FakeGpu, FakeNode, NodeState
 from fake_nvml.nvml_driver import DriverCalls
+from fake_nvml.nvml_latency import LatencyCalls
 from fake_nvml.nvml_memory import MemoryCalls
 from fake_nvml.nvml_nvlink import NvlinkCalls
 from fake_nvml.nvml_thermal import ThermalCalls
+from fake_nvml.pci import pcie_replays
 
 _MIB = 1024 * 1024
 # pynvml functions that are plain Python (no driver call): served as they are.
@@ -74,11 +76,16 @@ def from_pynvml(name: str, unimplemented: int) -> Any:
     return real
 
 
-class FakeNvml(MemoryCalls, DriverCalls, ThermalCalls, NvlinkCalls):
-    """Call it exactly as you would call the `pynvml` module. Each check's calls live in a mixin of their own."""
+class FakeNvml(MemoryCalls, DriverCalls, ThermalCalls, NvlinkCalls, LatencyCalls):
+    """Call it exactly as you would call the `pynvml` module. Each check's calls live in a mixin of their own.
+    `simulated_time`: the node runs on a simulated clock, so a slow GPU's calls declare their latency
+    instead of sleeping it (fake_nvml/nvml_latency.py)."""
 
-    def __init__(self, node: FakeNode):
+    def __init__(self, node: FakeNode, simulated_time: bool = False):
         self.node = node
+        self.simulated_time = simulated_time
+        self._latency = threading.local()     # per thread: latency simulated by the call under way
+        self._calls_bounded = False           # a timing proxy tells where each call ends (nvml_latency.py)
         self._refcount = 0
         self._lock = threading.Lock()
         self._event_sets: dict[int, _EventSet] = {}
@@ -136,6 +143,7 @@ class FakeNvml(MemoryCalls, DriverCalls, ThermalCalls, NvlinkCalls):
 
     def _handle(self, gpu: FakeGpu) -> FakeHandle:
         self._wait_if_hung(gpu)
+        self._wait_if_slow(gpu)
         if gpu.lost:
             raise _error(pynvml.NVML_ERROR_GPU_IS_LOST)
         return FakeHandle(id(self), gpu.pci_bus_id)
@@ -170,6 +178,7 @@ class FakeNvml(MemoryCalls, DriverCalls, ThermalCalls, NvlinkCalls):
         for gpu in state.nvml_gpus():
             if gpu.pci_bus_id == handle.bus_id:
                 self._wait_if_hung(gpu)
+                self._wait_if_slow(gpu)
                 if gpu.lost:
                     raise _error(pynvml.NVML_ERROR_GPU_IS_LOST)
                 return gpu
@@ -242,7 +251,7 @@ class FakeNvml(MemoryCalls, DriverCalls, ThermalCalls, NvlinkCalls):
         return self._device(handle).model.pcie_max_gen
 
     def nvmlDeviceGetPcieReplayCounter(self, handle: Any) -> int:
-        return self._device(handle).pcie_replays
+        return pcie_replays(self._device(handle), self.node.elapsed_s())
 
     # -- health ----------------------------------------------------------------------------------
 

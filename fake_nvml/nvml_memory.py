@@ -27,6 +27,12 @@ def volatile_uncorrected(gpu: FakeGpu, elapsed_s: float) -> int:
     return gpu.ecc_uncorrected + int(rising)
 
 
+def volatile_corrected(gpu: FakeGpu, elapsed_s: float) -> int:
+    """The volatile corrected count now: the fixed part plus what an SBE storm has added since it began."""
+    rising = max(0.0, elapsed_s - gpu.ecc_corrected_since_s) * gpu.ecc_corrected_per_s
+    return gpu.ecc_corrected + int(rising)
+
+
 class MemoryCalls:
     """Mixed into FakeNvml, which supplies `_device(handle)` and `node`."""
 
@@ -48,7 +54,8 @@ class MemoryCalls:
         if not gpu.ecc_enabled:
             raise _error(pynvml.NVML_ERROR_NOT_SUPPORTED)    # counters exist only while ECC is on
         corrected = error_type == pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED
-        volatile = gpu.ecc_corrected if corrected else volatile_uncorrected(gpu, self.node.elapsed_s())  # type: ignore[attr-defined]
+        now = self.node.elapsed_s()   # type: ignore[attr-defined]
+        volatile = volatile_corrected(gpu, now) if corrected else volatile_uncorrected(gpu, now)
         if counter_type == pynvml.NVML_VOLATILE_ECC:
             return volatile
         before = gpu.ecc_aggregate_corrected if corrected else gpu.ecc_aggregate_uncorrected
@@ -99,6 +106,14 @@ def ecc_rising(f: FaultArgs, state: NodeState, gpu: FakeGpu | None, node: FakeNo
     gpu.ecc_uncorrected_per_min, gpu.ecc_rising_since_s = f.params["per_min"], now
 
 
+def sbe_storm(f: FaultArgs, state: NodeState, gpu: FakeGpu | None, node: FakeNode) -> None:
+    """Corrected (single-bit) errors arrive at `per_s` a second from now on, until a reset."""
+    assert gpu is not None
+    now = node.elapsed_s()
+    gpu.ecc_corrected = volatile_corrected(gpu, now)             # what has arrived so far stays counted
+    gpu.ecc_corrected_per_s, gpu.ecc_corrected_since_s = float(f.params["per_s"]), now
+
+
 def remap_pending(f: FaultArgs, state: NodeState, gpu: FakeGpu | None, node: FakeNode) -> None:
     assert gpu is not None
     gpu.remapped_uncorrected += 1
@@ -117,16 +132,19 @@ def heal(state: NodeState, gpus: list[FakeGpu], whole_node: bool) -> None:
     rising fault stops, pending remaps and page retirements take effect. A remap failure, retired pages
     and aggregate counts stay: they live in the InfoROM."""
     for g in gpus:
-        g.ecc_aggregate_corrected += g.ecc_corrected
+        g.ecc_aggregate_corrected += volatile_corrected(g, g.ecc_corrected_since_s)
         g.ecc_aggregate_uncorrected += volatile_uncorrected(g, g.ecc_rising_since_s)
         g.ecc_corrected = g.ecc_uncorrected = 0
-        g.ecc_uncorrected_per_min = 0.0
+        g.ecc_uncorrected_per_min = g.ecc_corrected_per_s = 0.0
         g.remap_pending = g.retire_pending = False
 
 
 FAULTS: tuple[FaultKind, ...] = (
     FaultKind("ecc_rising", True, {"per_min": float}, ("per_min",), ecc_rising,
               "volatile uncorrectable ECC errors keep arriving at this rate (per minute) until a reset"),
+    FaultKind("sbe_storm", True, {"per_s": float}, ("per_s",), sbe_storm,
+              "volatile corrected (single-bit) ECC errors arrive at this rate (per second) until a reset: an "
+              "SBE storm"),
     FaultKind("remap_pending", True, {}, (), remap_pending,
               "a row is remapped for an uncorrectable error and waits for a GPU reset to take effect"),
     FaultKind("remap_failure", True, {}, (), set_field("remap_failure", None, True),

@@ -1,4 +1,9 @@
-"""The fake node's PCI bus: in memory for speed, or written out as a sysfs tree for the real reader."""
+"""The fake node's PCI bus: in memory for speed, or written out as a sysfs tree for the real reader; and the
+GPU's PCIe replay counter (nvmlDeviceGetPcieReplayCounter), with the fault that makes it rise.
+
+A replay is the link layer resending a TLP the other end did not acknowledge (a bad LCRC, a lost ACK): the
+link survives, but a link that replays steadily is marginal (a riser, a retimer, a dirty connector).
+NVML's counter counts them since the driver loaded; a GPU reset starts it again at 0."""
 
 from __future__ import annotations
 
@@ -7,6 +12,7 @@ from pathlib import Path
 
 from detector.backends.pci import NVIDIA_VENDOR, PciDevice
 from fake_nvml.driver_lines import upstream_port
+from fake_nvml.fault_kind import FaultArgs, FaultKind
 from fake_nvml.node import FakeGpu, FakeNode, NodeState
 
 GPU_CLASS = 0x030200        # 3D controller
@@ -68,3 +74,33 @@ def _symlink(target: str, link: Path) -> None:
     if link.is_symlink() or link.exists():
         link.unlink()
     link.symlink_to(target)
+
+
+# -- the replay counter over node time, and its fault ----------------------------------------------------
+
+
+def pcie_replays(gpu: FakeGpu, elapsed_s: float) -> int:
+    """The counter now: what was counted so far plus what a rising fault has added since it began."""
+    rising = max(0.0, elapsed_s - gpu.pcie_replays_since_s) * gpu.pcie_replays_per_min / 60
+    return gpu.pcie_replays + int(rising)
+
+
+def replays_rising(f: FaultArgs, state: NodeState, gpu: FakeGpu | None, node: FakeNode) -> None:
+    """The counter jumps by `add` and/or rises `per_min` from now on, until a reset."""
+    assert gpu is not None
+    now = node.elapsed_s()
+    gpu.pcie_replays = pcie_replays(gpu, now) + f.params.get("add", 0)     # what has arrived stays counted
+    gpu.pcie_replays_per_min, gpu.pcie_replays_since_s = float(f.params.get("per_min", 0.0)), now
+
+
+def heal(state: NodeState, gpus: list[FakeGpu], whole_node: bool) -> None:
+    """A GPU reset or reboot: the counter counts since the driver loaded the GPU, so it starts at 0."""
+    for g in gpus:
+        g.pcie_replays, g.pcie_replays_per_min = 0, 0.0
+
+
+FAULTS: tuple[FaultKind, ...] = (
+    FaultKind("pcie_replays", True, {"add": int, "per_min": float}, (), replays_rising,
+              "the GPU's PCIe replay counter jumps by add and/or rises per_min from now until a reset "
+              "(a marginal link resending TLPs)"),
+)

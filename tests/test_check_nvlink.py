@@ -312,18 +312,22 @@ def judge(engine, **fields) -> set[str]:
     return {p.rule for p in engine.evaluate([Observation("nvlink", {**base, **fields})])}
 
 
-@pytest.mark.parametrize("per_min,increase,expected", [
-    (0.9, 20, set()), (1.0, 9, set()), (1.0, 10, {"nvlink-crc-errors"}), (5999.0, 59990, {"nvlink-crc-errors"}),
-    (6000.0, 60000, {"nvlink-crc-errors-critical"}), (None, None, set()),
+@pytest.mark.parametrize("per_min,links,expected", [
+    (None, "", set()), (None, None, set()), (5.0, "link 2: 10 CRC errors in the last 60 s (10/min); 10 since the "
+                                              "driver loaded", {"nvlink-crc-errors"}),
+    (5999.0, "link 2: ...", {"nvlink-crc-errors"}), (6000.0, "link 2: ...", {"nvlink-crc-errors-critical"}),
+    (6000.0, "", {"nvlink-crc-errors-critical"}),
 ])
-def test_crc_thresholds(engine, per_min, increase, expected):
-    assert judge(engine, crc_per_min=per_min, crc_increase=increase) == expected
+def test_crc_rules(engine, per_min, links, expected):
+    """Which link's rise counts is the check's (crc_per_min, crc_min_count: test_counter_rates.py); the rules
+    warn on the links it names and go critical at DCGM's 100/s over the GPU."""
+    assert judge(engine, crc_per_min=per_min, crc_links=links) == expected
 
 
 @pytest.mark.parametrize("counter", ["replay", "recovery"])
-@pytest.mark.parametrize("increase,fires", [(None, False), (0, False), (1, True)])
-def test_replay_and_recovery_fire_on_any_rise_in_the_window(engine, counter, increase, fires):
-    assert judge(engine, **{f"{counter}_increase": increase}) == ({f"nvlink-{counter}-errors"} if fires else set())
+@pytest.mark.parametrize("links,fires", [(None, False), ("", False), ("link 7: 1 replay error in the last 15 s", True)])
+def test_replay_and_recovery_fire_on_the_links_the_check_names(engine, counter, links, fires):
+    assert judge(engine, **{f"{counter}_links": links}) == ({f"nvlink-{counter}-errors"} if fires else set())
 
 
 @pytest.mark.parametrize("reported,expected_links,fires", [(18, 18, False), (17, 18, True), (0, 0, False),

@@ -104,6 +104,8 @@ VARIANTS: dict[str, tuple[dict[str, Any], str | None]] = {
     "dra-taints": ({"draTaints": {"enabled": True}}, "overlays/dra-taints"),
     "networkpolicy": ({"networkPolicy": {"enabled": True}}, "overlays/networkpolicy"),
     "servicemonitor": ({"serviceMonitor": {"enabled": True, "labels": {"release": "kube-prometheus-stack"}}}, None),
+    "prometheusrule": ({"podMonitor": {"enabled": True},
+                        "prometheusRule": {"enabled": True, "labels": {"release": "kube-prometheus-stack"}}}, None),
     "site": ({"rules": {"files": {"b-pcie.yaml": {"version": 1, "rules": [SITE_RULE]}, "a-text.yml": TEXT_RULE_FILE}},
               "checks": SITE_CHECKS, "extraArgs": ["--heartbeat", 120],
               "image": {"repository": "registry.example/gpu-npd", "tag": "0.1.1"}}, None),
@@ -279,7 +281,8 @@ def test_values_schema_refuses_a_wrong_value(helm, values):
 
 def test_values_schema_knows_every_check_and_setting(registry):
     """The schema's checks section is the checks gpu-npd has, each with its settings and their types: a new
-    check or setting must be added there, or the chart would refuse it."""
+    check or setting must be added there, or the chart would refuse it (`.venv/bin/python tests/test_helm.py`
+    adds what the code declares)."""
     schema = json.loads((CHART / "values.schema.json").read_text(encoding="utf-8"))
     checks = schema["properties"]["checks"]
     assert checks["additionalProperties"] is False
@@ -652,3 +655,35 @@ def test_notes_render(helm, name, says):
     assert proc.returncode == 0, proc.stderr
     notes = proc.stdout[proc.stdout.index("NOTES:"):]
     assert says in notes and "kubectl -n gpu-npd get pods" in notes
+
+
+# --- `python tests/test_helm.py` brings the schema's checks section up to the code ---------------------------
+
+def sync_schema_checks() -> list[str]:
+    """Each check's settings in values.schema.json as the code declares them: new ones added (type and help from
+    the ConfigField), gone ones removed, the entries already there (their wording, bounds) kept. Says what moved."""
+    from detector.core.check import CheckRegistry
+
+    path = CHART / "values.schema.json"
+    schema = json.loads(path.read_text(encoding="utf-8"))
+    registry = CheckRegistry.from_entry_points()
+    types = {list: "array", int: "integer", float: "number", str: "string", bool: "boolean"}
+    section = schema["properties"]["checks"]["properties"]
+    moved = []
+    for name in registry.names():
+        cls = registry.get(name)
+        old = section.get(name, {}).get("properties", {})
+        known = set(cls.schedule_fields()) | set(cls.config_fields)
+        new = {key: entry for key, entry in old.items() if key in known}
+        for key, spec in cls.config_fields.items():
+            if key not in new:
+                new[key] = {"type": types[spec.kind], "description": spec.help}
+                moved.append(f"added checks.{name}.{key}")
+        moved += [f"removed checks.{name}.{key}" for key in set(old) - set(new)]
+        section[name] = {"type": "object", "additionalProperties": False, "properties": new}
+    path.write_text(json.dumps(schema, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    return moved
+
+
+if __name__ == "__main__":
+    print("\n".join(sync_schema_checks()) or "values.schema.json: the checks section is up to date")

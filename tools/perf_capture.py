@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -69,6 +68,24 @@ def call(fn: Callable[..., Any], *args: Any) -> Any:
 def field_ids() -> dict[str, int]:
     return {n: getattr(pynvml, n) for n in sorted(dir(pynvml))
             if n.startswith("NVML_FI_DEV_") and any(w in n for w in FIELD_WORDS) and isinstance(getattr(pynvml, n), int)}
+
+
+def scan_ids(handle: Any, first: int, last: int) -> dict[int, Any]:
+    """Each field id in [first, last] read alone: what this driver answers there (its return code, value type
+    and value), whatever this nvidia-ml-py calls it. Headers moved the throttle counters between ids."""
+    out: dict[int, Any] = {}
+    for fid in range(first, last + 1):
+        try:
+            v = pynvml.nvmlDeviceGetFieldValues(handle, [fid])[0]
+        except pynvml.NVMLError as e:
+            out[fid] = f"error: {type(e).__name__}"
+            continue
+        if v.nvmlReturn != 0:
+            out[fid] = {"return": v.nvmlReturn}
+            continue
+        kind = {0: "dVal", 1: "uiVal", 2: "ulVal", 3: "ullVal", 4: "sllVal", 5: "siVal", 6: "usVal"}.get(v.valueType, "ullVal")
+        out[fid] = {"type": v.valueType, "value": getattr(v.value, kind)}
+    return out
 
 
 def read_fields(handle: Any, ids: dict[str, int]) -> dict[str, Any]:
@@ -179,6 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--load-s", type=float, default=40.0, help="seconds sampled under load (default 40)")
     parser.add_argument("--interval", type=float, default=2.0, help="seconds between samples (default 2)")
     parser.add_argument("--calls", type=int, default=200, help="calls per function timed (default 200)")
+    parser.add_argument("--scan-ids", default="", metavar="A-B", help="also read every field id from A to B alone, "
+                        "idle and under load (what the driver answers at each id)")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     pynvml.nvmlInit()
@@ -192,7 +211,10 @@ def main(argv: list[str] | None = None) -> int:
                       if isinstance(call(pynvml.nvmlDeviceGetPciInfo, h), dict) else None} for h in handles],
             "field_ids": ids, "policies": POLICIES,
         }
+        first, _, last = args.scan_ids.partition("-")
+        scan = (lambda: [scan_ids(h, int(first), int(last)) for h in handles]) if args.scan_ids else (lambda: None)
         smi(args.out, "nvidia-smi-perf-idle.txt")
+        capture["idle_id_scan"] = scan()
         capture["idle"] = phase(handles, ids, args.idle_s, args.interval, args.calls)
         load = subprocess.Popen([sys.executable, "-c", LOAD, str(args.load_s + 15)], stdout=subprocess.DEVNULL,
                                 stderr=open(args.out / "load.stderr.txt", "w"))
@@ -200,6 +222,7 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(8)            # the load starts (CUDA context, first kernels) before it is sampled
             smi(args.out, "nvidia-smi-perf-load.txt")
             capture["load"] = phase(handles, ids, args.load_s, args.interval, args.calls)
+            capture["load_id_scan"] = scan()
         finally:
             load.terminate()
             load.wait(30)

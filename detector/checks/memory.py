@@ -6,6 +6,13 @@ nvmlDeviceGetRemappedRows ("isPending: a reset will be required to actually rema
 retire on a DBE or repeated SBEs; a pending page needs a driver reload), and the A100/H100 GPU memory
 error management guide (row remapping replaces page retirement from Ampere on). Verdicts are in
 rules/memory.yaml; this module only reads and derives.
+
+Corrected (single-bit) errors are normal at low rates, so only their rate is judged: the volatile corrected
+count over `corrected_window`, once the window covers `corrected_min_span`, against `corrected_per_s`. An SBE
+storm (NVIDIA/NVSentinel#1748: 17,657 a second on one GB200 GPU, while DCGM stalled and its monitor was killed
+49 times) is thousands a second; a count that is not rising is never judged, however large. One sweep and no
+more (diagnose without a duration, a replayed capture) has no rate: the count since the driver loaded is
+compared with the node's other GPUs of the same model (detector/core/siblings.py), and the finding says so.
 """
 
 from __future__ import annotations
@@ -18,7 +25,8 @@ import pynvml
 from detector.core.check import Check, CheckOutput, ConfigField, GaugeSpec
 from detector.core.inventory import _optional
 from detector.core.per_gpu import read_each_gpu
-from detector.core.rates import CounterWindow
+from detector.core.rates import CounterWindow, span_text
+from detector.core.siblings import standouts
 from detector.core.sweep import SweepContext
 from detector.core.types import Observation
 
@@ -61,6 +69,17 @@ class MemoryCheck(Check):
         "uncorrected_increase": "how many uncorrectable errors arrived in the last `window` seconds (null "
                                 "until two readings)",
         "window_s": "seconds the increase covers so far (up to the `window` setting)",
+        "corrected_increase": "corrected ECC errors in the last corrected_window_s seconds (null until two readings)",
+        "corrected_per_s": "corrected ECC errors per second over the corrected window (null until two readings)",
+        "corrected_window_s": "seconds the corrected increase covers (up to the corrected_window setting)",
+        "corrected_window_ready": "true once the corrected window covers corrected_min_span: the rate is judged",
+        "corrected_rising": "true when the corrected window is ready and corrected_per_s is at or over the "
+                            "corrected_per_s setting (an SBE storm)",
+        "corrected_limit_per_s": "the corrected_per_s setting",
+        "corrected_context": "what the rate stands on: the corrected count since the driver loaded and the uptime",
+        "corrected_above_siblings": "one sweep only (diagnose without a duration, a replay): the corrected count "
+                                    "since the driver loaded against the node's same-model GPUs, when far above "
+                                    "them ('' otherwise): a comparison of totals, not a rate",
         "retired_sbe": "pages retired for multiple single-bit errors (pre-Ampere; null where not applicable)",
         "retired_dbe": "pages retired for a double-bit error (pre-Ampere)",
         "retired_total": "retired pages of either cause",
@@ -73,12 +92,27 @@ class MemoryCheck(Check):
     }
     config_fields = {
         "window": ConfigField(float, 3600.0, "seconds over which a rise of the uncorrectable count is measured"),
+        "corrected_window": ConfigField(float, 600.0, "seconds over which the corrected count is turned into a rate"),
+        "corrected_min_span": ConfigField(float, 60.0, "seconds the corrected window must cover before its rate "
+                                                       "is judged"),
+        "corrected_per_s": ConfigField(float, 1.0, "corrected ECC errors a second from which a GPU is in an SBE "
+                                                   "storm (DCGM's health watch warned at 10 between readings, "
+                                                   "DCGM_LIMIT_MAX_SBE_RATE, 'a dummy value'; NVSentinel#1748 "
+                                                   "saw 17,657 a second)"),
+        "siblings_factor": ConfigField(float, 10.0, "one sweep only: a GPU's corrected count since the driver "
+                                                    "loaded stands out at this many times its same-model "
+                                                    "siblings' median"),
+        "siblings_floor": ConfigField(float, 100000.0, "one sweep only: and at least this many more than that "
+                                                       "median (a storm passes it in a minute; the real captures "
+                                                       "here hold at most 353)"),
     }
     gauges = {
         "gpu_npd_ecc_volatile_uncorrected": GaugeSpec("volatile_uncorrected", "Uncorrectable ECC errors since "
                                                       "the driver loaded"),
         "gpu_npd_ecc_volatile_corrected": GaugeSpec("volatile_corrected", "Corrected ECC errors since the "
                                                     "driver loaded"),
+        "gpu_npd_gpu_ecc_corrected_per_second": GaugeSpec("corrected_per_s", "Corrected ECC errors per second "
+                                                          "over the memory check's corrected window"),
         "gpu_npd_ecc_aggregate_uncorrected": GaugeSpec("aggregate_uncorrected", "Uncorrectable ECC errors over "
                                                        "the GPU's life"),
         "gpu_npd_retired_pages": GaugeSpec("retired_total", "Retired memory pages (pre-Ampere GPUs)"),
@@ -92,12 +126,22 @@ class MemoryCheck(Check):
     def __init__(self, config: dict[str, Any] | None = None, clock: Callable[[], float] = time.monotonic):
         super().__init__(config, clock)
         self._uncorrected = CounterWindow(float(self.config["window"]))
+        self._corrected = CounterWindow(float(self.config["corrected_window"]))
 
     def run(self, ctx: SweepContext) -> CheckOutput:
-        nvml, now = ctx.host.nvml, self._clock()
+        nvml, now, uptime = ctx.host.nvml, self._clock(), ctx.host.uptime_s()
         observations, gpus = [], []
         read = read_each_gpu(ctx.inventory.gpus, lambda gpu: _read(nvml, gpu.handle))
+        one_sweep = ctx.host.snapshot or ctx.host.one_sweep
+        above = standouts({g.index: f["volatile_corrected"] for g, (f, _) in read.readings},
+                          {g.index: g.name for g, _ in read.readings}, factor=float(self.config["siblings_factor"]),
+                          floor=float(self.config["siblings_floor"])) if one_sweep else {}
         for gpu, (fields, by_location) in read.readings:
+            fields.update(self._corrected_rate(gpu.uuid, fields["volatile_corrected"], now, uptime))
+            standout = above.get(gpu.index)
+            fields["corrected_above_siblings"] = (
+                f"{standout.describe('corrected ECC errors')}: a comparison of totals, not a rate (one sweep "
+                "cannot measure one)") if standout else ""
             count = fields["aggregate_uncorrected"]
             if count is None:
                 count = fields["volatile_uncorrected"]
@@ -107,7 +151,21 @@ class MemoryCheck(Check):
             observations.append(Observation(self.name, fields, gpu.ref()))
             gpus.append({"index": gpu.index, "uuid": gpu.uuid, **fields, "by_location": by_location})
         self._uncorrected.keep_only({g.uuid for g in ctx.inventory.gpus if g.uuid})
+        self._corrected.keep_only({g.uuid for g in ctx.inventory.gpus if g.uuid})
         return CheckOutput(observations, {"gpus": gpus}, summary=_summary(gpus), error="; ".join(read.errors))
+
+    def _corrected_rate(self, uuid: str | None, count: int | None, now: float,
+                        uptime: float | None) -> dict[str, Any]:
+        rise = self._corrected.add(uuid, count, now) if count is not None and uuid else None
+        ready = rise is not None and rise.seconds >= float(self.config["corrected_min_span"])
+        limit = float(self.config["corrected_per_s"])
+        per_s = round(rise.per_s(), 2) if rise else None
+        up = f" (the node has been up {span_text(uptime)})" if uptime else ""
+        return {"corrected_increase": int(rise.amount) if rise else None, "corrected_per_s": per_s,
+                "corrected_window_s": round(rise.seconds, 1) if rise else 0.0, "corrected_window_ready": ready,
+                "corrected_rising": bool(ready and per_s is not None and per_s >= limit),
+                "corrected_limit_per_s": limit,
+                "corrected_context": "" if count is None else f"{count} since the driver loaded{up}"}
 
 
 def _read(nvml: Any, handle: Any) -> tuple[dict[str, Any], dict[str, dict[str, int]]]:
@@ -179,4 +237,7 @@ def _summary(gpus: list[dict[str, Any]]) -> str:
                      f"failed on {sum(bool(g['remap_failure']) for g in gpus)}")
     if any(g["retired_total"] is not None for g in gpus):
         parts.append(f"retired pages {sum(g['retired_total'] or 0 for g in gpus)}")
+    storming = [str(g["index"]) for g in gpus if g["corrected_rising"]]
+    if storming:
+        parts.append(f"corrected errors storming on GPU {', '.join(storming)}")
     return "; ".join(parts)

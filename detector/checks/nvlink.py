@@ -20,6 +20,14 @@ Which links should be up comes from the machine, never from a model's data sheet
   model report (an 8-GPU NVSwitch board whose GPU trained none is critical);
 - else (a GPU alone, a PCIe card without a bridge) none: NVML reporting links inactive there means
   nothing is connected. NVIDIA/NVSentinel#1481 had DCGM call all 12 links of a lone A100 PCIe down.
+Each link's counters are also kept as rates of their own, so a finding names the link and its rate beside
+its total since the driver loaded ("link 14: 3 recoveries in the last 3 min (1/min); 508 since the driver
+loaded"): marin-community/marin#9086 had one GB200 link hold 505 recovery events over five days, still
+rising, before it failed with XID 149, while every other link of 320 GPUs read 0. Which rise counts is set
+by `replay_per_min`, `recovery_per_min` (0: any rise, as DCGM's health watch) and `crc_per_min`/`crc_min_count`.
+One sweep and no more (diagnose without a duration, a replayed capture) has no rate: each link's totals are
+compared with the same link on the node's other GPUs of the same model (detector/core/siblings.py), and
+the finding says it compares totals since the driver loaded.
 A down link is critical only once held down for `debounce` seconds: NVLinks are briefly down after every
 boot while they train, and a single reading raised fatal alarms on 214 of 288 GB200 nodes, none faulty
 (NVIDIA/NVSentinel#1701, fixed by a consecutive-poll debounce in #1715). A link first seen down when
@@ -40,7 +48,8 @@ from detector.backends.pci import nvswitch_count
 from detector.core.check import Check, CheckOutput, ConfigField, GaugeSpec
 from detector.core.inventory import GpuInfo
 from detector.core.per_gpu import read_each_gpu
-from detector.core.rates import CounterWindow
+from detector.core.rates import CounterWindow, Increase, span_text
+from detector.core.siblings import standouts
 from detector.core.sweep import SweepContext
 from detector.core.types import Observation
 
@@ -55,6 +64,8 @@ _VALUE = {pynvml.NVML_VALUE_TYPE_UNSIGNED_INT: "uiVal", pynvml.NVML_VALUE_TYPE_U
           pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG: "ullVal", pynvml.NVML_VALUE_TYPE_SIGNED_LONG_LONG: "sllVal",
           pynvml.NVML_VALUE_TYPE_SIGNED_INT: "siVal", nvml_constant("NVML_VALUE_TYPE_UNSIGNED_SHORT"): "usVal"}
 RATED = ("replay", "recovery", "crc")
+_NOUN = {"replay": "replay errors", "recovery": "recoveries", "crc": "CRC errors"}
+_ONE = {"replay": "replay error", "recovery": "recovery", "crc": "CRC error"}
 
 
 class NvlinkCheck(Check):
@@ -96,6 +107,14 @@ class NvlinkCheck(Check):
         "crc_per_min": "CRC errors per minute over the window",
         "rate_window_s": "seconds the increases cover (up to the window setting; less soon after a start)",
         "links_with_new_errors": "links whose counters rose since the previous run, as '3 (replay +4)' ('' when none)",
+        "replay_links": "links whose replay errors rose over the window past replay_per_min, each with its rise, "
+                        "rate and total since the driver loaded ('' when none)",
+        "recovery_links": "links whose recovery (retrain) events rose past recovery_per_min, as replay_links",
+        "crc_links": "links whose CRC errors (flit and data) rose past crc_per_min and crc_min_count, as replay_links",
+        "rising_links": "the numbers of the links in replay_links, recovery_links or crc_links, comma-separated",
+        "links_above_siblings": "one sweep only (diagnose without a duration, a replay): links whose totals since "
+                                "the driver loaded are far above the same link's on the node's other GPUs of the "
+                                "same model ('' otherwise): a comparison of totals, not a rate",
     }
     config_fields = {
         "expected_links": ConfigField(int, -1, "NVLinks that should be up on every GPU (-1: from what the node "
@@ -105,6 +124,26 @@ class NvlinkCheck(Check):
         "debounce": ConfigField(float, 180.0, "seconds a link must stay down before it counts as down (links "
                                               "train after every boot, and a flap comes back)"),
         "window": ConfigField(float, 600.0, "seconds over which NVLink error counters are turned into rates"),
+        # DCGM's NVLink health watch fails on any replay or recovery rise (DCGM_LIMIT_MAX_NVLINK_ERROR = 1) and
+        # treats CRC errors as mattering from 100 a second (DCGM_LIMIT_MAX_NVLINK_CRC_ERROR): rules/nvlink.yaml.
+        "replay_per_min": ConfigField(float, 0.0, "replay errors a minute on one link from which it counts as "
+                                                  "rising (0: any rise in the window, as DCGM's health watch)"),
+        "recovery_per_min": ConfigField(float, 0.0, "recovery (retrain) events a minute on one link from which it "
+                                                    "counts as rising (0: any rise, as DCGM's health watch)"),
+        "crc_per_min": ConfigField(float, 1.0, "CRC errors a minute on one link from which it counts as rising"),
+        "crc_min_count": ConfigField(int, 10, "CRC errors one link must add in the window to count as rising (a "
+                                              "single hit after a start is not a rate)"),
+        "siblings_factor": ConfigField(float, 10.0, "one sweep only: a link's total since the driver loaded stands "
+                                                    "out at this many times the median of the same link on the "
+                                                    "node's other GPUs of the same model"),
+        "siblings_floor_replay": ConfigField(float, 1000.0, "one sweep only: and at least this many replay errors "
+                                                            "above that median"),
+        "siblings_floor_recovery": ConfigField(float, 100.0, "one sweep only: and at least this many recovery "
+                                                             "events above it (marin-community/marin#9086: 505 "
+                                                             "before the link failed)"),
+        "siblings_floor_crc": ConfigField(float, 1000.0, "one sweep only: and at least this many CRC errors above "
+                                                         "it (healthy H100s keep historical CRC counts: "
+                                                         "aws/eks-node-monitoring-agent#261)"),
     }
     gauges = {
         "gpu_npd_nvlink_links_active": GaugeSpec("links_active", "NVLinks up on the GPU"),
@@ -112,6 +151,12 @@ class NvlinkCheck(Check):
         "gpu_npd_nvlink_replay_errors": GaugeSpec("replay_total", "NVLink replay errors since the driver loaded"),
         "gpu_npd_nvlink_recovery_errors": GaugeSpec("recovery_total", "NVLink recovery events since the driver loaded"),
         "gpu_npd_nvlink_crc_errors": GaugeSpec("crc_total", "NVLink CRC errors (flit and data) since the driver loaded"),
+        "gpu_npd_gpu_nvlink_replay_errors_per_minute": GaugeSpec("replay_per_min", "NVLink replay errors per minute "
+                                                                 "over the nvlink check's window, all links"),
+        "gpu_npd_gpu_nvlink_recovery_errors_per_minute": GaugeSpec("recovery_per_min", "NVLink recovery events per "
+                                                                   "minute over the window, all links"),
+        "gpu_npd_gpu_nvlink_crc_errors_per_minute": GaugeSpec("crc_per_min", "NVLink CRC errors per minute over "
+                                                              "the window, all links"),
     }
     default_interval_s = 60.0
     default_timeout_s = 15.0
@@ -119,7 +164,9 @@ class NvlinkCheck(Check):
     def __init__(self, config: dict[str, Any] | None = None, clock: Callable[[], float] = time.monotonic):
         super().__init__(config, clock)
         self._window = CounterWindow(float(self.config["window"]))
+        self._links = CounterWindow(float(self.config["window"]))     # (uuid, link, counter): only links that count
         self._last_links: dict[str, dict[int, dict[str, int]]] = {}
+        self._last_seen: dict[str, float] = {}
         self._history = LinkHistory()
 
     def run(self, ctx: SweepContext) -> CheckOutput:
@@ -139,8 +186,11 @@ class NvlinkCheck(Check):
         held = {g.index: self._history.observe(g.uuid or str(g.index), states[g.index], now, uptime) for g in read}
         evidence = _nvlink_evidence(ctx, states, self._history)
         expectations = {g.index: self._expected(g, read, states, evidence) for g in read}
-        counted = read_each_gpu(read, lambda g: self._read(nvml, g, now, states[g.index], *expectations[g.index]))
+        counted = read_each_gpu(read, lambda g: self._read(nvml, g, now, states[g.index], *expectations[g.index],
+                                                           uptime=uptime))
+        above = self._above_siblings(counted.readings) if ctx.host.snapshot or ctx.host.one_sweep else {}
         for gpu, (fields, per_link) in counted.readings:
+            fields["links_above_siblings"] = "; ".join(above.get(gpu.index, []))
             expected, because = expectations[gpu.index]
             debounce = float(self.config["debounce"])
             links = [Observation(self.name, {
@@ -154,12 +204,14 @@ class NvlinkCheck(Check):
             gpus.append({"index": gpu.index, "uuid": gpu.uuid, **fields, "links": per_link})
         live = {g.uuid for g in ctx.inventory.gpus if g.uuid}
         self._window.keep_only({(u, c) for u in live for c in RATED})
+        self._links.forget(lambda key: key[0] in live)
         self._last_links = {u: v for u, v in self._last_links.items() if u in live}
+        self._last_seen = {u: v for u, v in self._last_seen.items() if u in live}
         return CheckOutput(observations, {"gpus": gpus}, summary=_summary(gpus),
                            error="; ".join(answers.errors + counted.errors))
 
     def _read(self, nvml: Any, gpu: GpuInfo, now: float, states: dict[int, bool], expected: set[int],
-              because: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+              because: str, uptime: float | None = None) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         fields: dict[str, Any] = dict.fromkeys(self.fields)
         down = [link for link, up in states.items() if not up]
         fields.update(scope="gpu", nvlink="supported" if states else "not_supported", links_reported=len(states),
@@ -181,9 +233,61 @@ class NvlinkCheck(Check):
             if rise:
                 fields["rate_window_s"] = round(rise.seconds, 1)
         fields["links_with_new_errors"] = _new_errors(self._last_links.get(gpu.uuid or "", {}), per_link)
+        fields.update(self._rising_links(gpu.uuid or "", per_link, now, uptime))
         self._last_links[gpu.uuid or ""] = per_link
+        self._last_seen[gpu.uuid or ""] = now
         table = [{"link": link, "active": states[link], **per_link.get(link, {})} for link in sorted(states)]
         return fields, table
+
+    def _rising_links(self, uuid: str, per_link: dict[int, dict[str, int]], now: float,
+                      uptime: float | None) -> dict[str, str]:
+        """Each counter's links that rose over the window past the settings, described. A link is kept in
+        the window only once one of its counters is not 0 (a healthy 8-GPU board has 144 links at 0): when one
+        leaves 0, its previous reading (0, in the previous run) starts its window."""
+        before, then = self._last_links.get(uuid, {}), self._last_seen.get(uuid)
+        found: dict[str, list[tuple[int, str]]] = {c: [] for c in RATED}
+        for link, counts in sorted(per_link.items()):
+            for c in RATED:
+                value = _link_value(counts, c)
+                key = (uuid, link, c)
+                if value is None or (key not in self._links and not value):
+                    continue
+                previous = _link_value(before.get(link, {}), c)
+                if key not in self._links and then is not None and previous is not None and previous <= value:
+                    self._links.add(key, previous, then)
+                rise = self._links.add(key, value, now)
+                if rise is not None and self._rising(c, rise):
+                    found[c].append((link, _describe(link, c, value, rise, uptime)))
+        out = {f"{c}_links": "; ".join(text for _, text in hits) for c, hits in found.items()}
+        out["rising_links"] = ", ".join(map(str, sorted({link for hits in found.values() for link, _ in hits})))
+        return out
+
+    def _rising(self, counter: str, rise: Increase) -> bool:
+        if rise.amount <= 0 or rise.seconds <= 0:
+            return False
+        if counter == "crc":
+            return rise.per_min() >= float(self.config["crc_per_min"]) and rise.amount >= int(self.config["crc_min_count"])
+        return rise.per_min() >= float(self.config[f"{counter}_per_min"])
+
+    def _above_siblings(self, readings: list[tuple[GpuInfo, tuple[dict[str, Any], list[dict[str, Any]]]]]
+                        ) -> dict[int | None, list[str]]:
+        """One sweep: each link whose totals since the driver loaded stand far above those of the same link on
+        the node's other GPUs of the same model (on an NVSwitch board link i of every GPU meets the same switch,
+        so a pattern shared by all GPUs is the board's, not one link's), described per GPU."""
+        found: dict[int | None, list[str]] = {}
+        gpu_names = {gpu.index: gpu.name for gpu, _ in readings}
+        for c in RATED:
+            values = {(gpu.index, row["link"]): _link_value(row, c) for gpu, (_, table) in readings for row in table}
+            groups = {(gpu.index, row["link"]): f"{gpu.name}/{row['link']}" for gpu, (_, table) in readings
+                      for row in table}
+            hits = standouts(values, groups, factor=float(self.config["siblings_factor"]),
+                             floor=float(self.config[f"siblings_floor_{c}"]))
+            for (index, link), hit in sorted(hits.items()):
+                found.setdefault(index, []).append(
+                    f"link {link}: {int(hit.value)} {_NOUN[c]} since the driver loaded, against a median of "
+                    f"{hit.median:g} on link {link} of the node's {hit.siblings} other {gpu_names[index]} GPUs: "
+                    "a comparison of totals, not a rate (one sweep cannot measure one)")
+        return found
 
     def _expected(self, gpu: GpuInfo, read: list[GpuInfo], states: dict[int, dict[int, bool]],
                   evidence: str) -> tuple[set[int], str]:
@@ -311,6 +415,25 @@ def _field_value(v: Any) -> int | None:
     return int(getattr(v.value, member)) if member else None
 
 
+def _link_value(counts: dict[str, Any], counter: str) -> int | None:
+    """One link's count of a rated counter: crc is flit and data CRC together."""
+    if counter != "crc":
+        return counts.get(counter)
+    return _sum([counts.get("crc_flit"), counts.get("crc_data")])
+
+
+def _describe(link: int, counter: str, total: int, rise: Increase, uptime: float | None) -> str:
+    """'link 14: 3 recoveries in the last 3 min (1/min); 508 since the driver loaded (the node has been up 5 days)'"""
+    up = f" (the node has been up {span_text(uptime)})" if uptime else ""
+    noun = _ONE[counter] if int(rise.amount) == 1 else _NOUN[counter]
+    return (f"link {link}: {int(rise.amount)} {noun} in the last {span_text(rise.seconds)} "
+            f"({_rate(rise.per_min())}/min); {total} since the driver loaded{up}")
+
+
+def _rate(per_min: float) -> str:
+    return f"{per_min:.0f}" if per_min >= 10 else f"{per_min:.2g}"
+
+
 def _sum(values: Any) -> int | None:
     present = [v for v in values if v is not None]
     return sum(present) if present else None
@@ -338,10 +461,13 @@ def _summary(gpus: list[dict[str, Any]]) -> str:
         return f"no NVLink expected: {gpus[0]['expected_because']}"
     down = sum(g["links_inactive"] for g in gpus)
     missing = sum(max(0, (g["links_expected"] or 0) - g["links_reported"]) for g in gpus)
-    erroring = [str(g["index"]) for g in gpus if any(g[f"{c}_increase"] for c in RATED)]
+    erroring = [str(g["index"]) for g in gpus if g.get("rising_links")]
+    standing = [str(g["index"]) for g in gpus if g.get("links_above_siblings")]
     text = f"{sum(g['links_active'] for g in gpus)} links up on {len(gpus)} GPUs"
     text += f", {down} down" if down else ""
     text += f", {missing} missing" if missing else ""
     settling = sum(g["links_settling"] or 0 for g in gpus)
     text += f" ({settling} down for less than the debounce)" if settling else ""
-    return text + (f"; errors rising on GPU {', '.join(erroring)}" if erroring else "")
+    text += f"; errors rising on GPU {', '.join(erroring)}" if erroring else ""
+    return text + (f"; link totals since the driver loaded far above their siblings' on GPU {', '.join(standing)}"
+                   if standing else "")

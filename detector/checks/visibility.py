@@ -2,19 +2,31 @@
 driver offers) and `nvidia-smi -L` (what tools see) should tell the same story; where they do not,
 the bus ids that differ are named. A bus id only nvidia-smi names (it cannot open a GPU that neither
 NVML nor the PCI bus lists, as after a GPU dropped off a passthrough VM's bus) is a GPU of its own,
-never dropped."""
+never dropped.
+
+NVML answering slowly for one GPU is the same failure earlier: every NVML call is timed per GPU (the host's
+TimedNvml), and each GPU's p95 over the window is set beside its same-model siblings' (detector/checks/
+latency.py), so a GPU whose calls take seconds while its siblings answer in microseconds is named before its
+calls hang."""
 
 from __future__ import annotations
 
 import time
 from typing import Any, Callable
 
+from detector.backends.nvml_timing import TimedNvml
 from detector.backends.pci import PciDevice
 from detector.backends.smi_listing import SmiListing, parse_smi_list
-from detector.core.check import Check, CheckOutput, ConfigField
+from detector.checks.latency import LatencyWindow, Timed, latency_fields, node_fields
+from detector.core.check import Check, CheckOutput, ConfigField, GaugeSpec
 from detector.core.inventory import GpuInfo, Inventory
 from detector.core.sweep import SweepContext
 from detector.core.types import GpuRef, Observation
+
+
+# A GPU's latency fields where nothing was timed for it (not in NVML, or the host's NVML is not timed).
+_UNTIMED: dict[str, Any] = {"nvml_calls": 0, "nvml_p95_s": None, "nvml_max_s": None, "nvml_latency_ready": False,
+                            "nvml_siblings": 0, "nvml_siblings_p95_s": None, "nvml_slowdown": None}
 
 
 class VisibilityCheck(Check):
@@ -43,17 +55,43 @@ class VisibilityCheck(Check):
                       "driver_not_loaded, no_devices, version_mismatch, nvml_init_failed, library_not_found, "
                       "gpu_lost, not_found, no_permission, inforom_corrupted, unknown_error, ... ('' when ok)",
         "smi_gpus": "GPUs nvidia-smi -L listed",
+        # NVML call latency: on each GPU observation (null or 0 where the host's NVML is not timed)
+        "nvml_calls": "NVML calls on this GPU timed in the window",
+        "nvml_p95_s": "95th percentile of their durations, seconds (null: none timed)",
+        "nvml_max_s": "the slowest of them, seconds",
+        "nvml_latency_ready": "true once the window holds nvml_latency_min_calls calls: the latency is judged",
+        "nvml_siblings": "same-model GPUs NVML answers for with a ready window, compared with (0: none)",
+        "nvml_siblings_p95_s": "the median of those siblings' p95 (the upper one of an even count), seconds "
+                               "(null when none)",
+        "nvml_slowdown": "nvml_p95_s / nvml_siblings_p95_s (null when no sibling)",
+        # and on the node observation
+        "nvml_timed": "the host's NVML calls are timed per GPU (false for a replayed capture)",
+        "nvml_gpus_timed": "GPUs NVML answers for with a ready latency window",
+        "nvml_median_p95_s": "the lower median of their p95, seconds: high only when more than half of them "
+                             "are slow (the driver or the host, not one GPU); null when none is ready",
     }
     config_fields = {
         "expected_gpus": ConfigField(int, 0, "GPUs this node must have; 0 = as many as are on the PCI bus"),
         "nvidia_smi": ConfigField(bool, True, "also compare with nvidia-smi -L"),
         "smi_timeout": ConfigField(float, 10.0, "seconds before nvidia-smi counts as hung"),
+        "nvml_latency_window": ConfigField(float, 300.0, "seconds of NVML call durations judged per GPU"),
+        "nvml_latency_min_calls": ConfigField(int, 20, "calls a GPU's window must hold before its latency is "
+                                              "judged (a sweep makes about 100 per GPU, the inventory 13)"),
+    }
+    # p95 and max over the window, one series each per GPU: bounded cardinality at fleet scale, and a histogram
+    # of every call would cost ~10 series per GPU for a signal judged on its tail.
+    gauges = {
+        "gpu_npd_gpu_nvml_call_p95_seconds": GaugeSpec("nvml_p95_s", "95th percentile of the duration of the NVML "
+                                                       "calls on this GPU over the visibility check's window"),
+        "gpu_npd_gpu_nvml_call_max_seconds": GaugeSpec("nvml_max_s", "The slowest NVML call on this GPU over the "
+                                                       "visibility check's window"),
     }
     default_interval_s = 60.0
     default_timeout_s = 20.0
 
     def __init__(self, config: dict[str, Any] | None = None, clock: Callable[[], float] = time.monotonic):
         super().__init__(config, clock)
+        self._latency = LatencyWindow(self.config["nvml_latency_window"], clock)
         # bus id -> UUID from earlier runs: a GPU that falls off the bus can no longer tell NVML its UUID,
         # and the message about it should still carry it (bounded by the GPUs a node can hold).
         self._uuids: dict[str, str] = {}
@@ -69,6 +107,10 @@ class VisibilityCheck(Check):
         pci_by_bus = {d.bus_id: d for d in pci or []}
 
         observations = [self._gpu_observation(b, pci_by_bus.get(b), by_bus.get(b), inv, smi) for b in bus_ids]
+        timed, node_latency = self._time_gpus(ctx)
+        for obs in observations:
+            if obs.gpu is not None and obs.gpu.pci_bus_id in timed:
+                obs.fields.update(timed[obs.gpu.pci_bus_id])
         expected = self.config["expected_gpus"] or (len(pci) if pci is not None else None)
         node = {
             "expected_gpus": expected,
@@ -80,6 +122,8 @@ class VisibilityCheck(Check):
             "smi_reason": smi.reason,
             "smi_gpus": len(smi.uuids) if smi.status in ("ok", "partial") else None,
             "smi_error": smi.detail,
+            "nvml_timed": isinstance(ctx.host.nvml, TimedNvml),
+            "nvml_gpus_timed": 0, "nvml_median_p95_s": None, **node_latency,
         }
         observations.append(Observation(self.name, node))
         known = set(pci_by_bus) | set(by_bus)
@@ -102,11 +146,33 @@ class VisibilityCheck(Check):
             "nvml_error": (info.error or "") if info else "",
             "in_smi": in_smi,
             "smi_error": smi.errors.get(bus_id, ""),
+            **_UNTIMED,
         }
         # A GPU NVML does not enumerate has no index: NVML numbers only the GPUs it sees, so its PCI-order
         # position is another GPU's index whenever a GPU before the last is missing. Its bus id names it.
         uuid = (info.uuid if info else None) or self._uuids.get(bus_id)
         return Observation(self.name, fields, GpuRef(info.index if info else None, uuid, bus_id))
+
+    def _time_gpus(self, ctx: SweepContext) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
+        """Each GPU's latency fields by bus id, and the node's, after taking the calls timed since the last run
+        into the window; none where the host's NVML is not timed."""
+        nvml = ctx.host.nvml
+        if not isinstance(nvml, TimedNvml):
+            return {}, {}
+        gpus = [g for g in ctx.inventory.gpus if g.pci_bus_id]
+        by_key = {nvml.device_key(g.handle): g.pci_bus_id for g in gpus if g.handle is not None}
+        # A GPU whose inventory read missed its deadline has no handle, but its calls go on and return (slowly):
+        # they are its by the index it was opened by, so its latency is still shown (judged as hung, above).
+        unopened = {g.index: g.pci_bus_id for g in gpus if g.handle is None}
+        for key, durations in nvml.times.drain().items():
+            bus_id = by_key.get(key) or unopened.get(nvml.opened_index(key))
+            if bus_id is not None:          # a GPU the inventory no longer sees: its calls are not judged
+                self._latency.add(bus_id, durations)
+        self._latency.keep_only({g.pci_bus_id for g in gpus if g.pci_bus_id})
+        timed = {g.pci_bus_id: Timed(g.name, g.error is None, self._latency.latency(g.pci_bus_id))
+                 for g in gpus if g.pci_bus_id}
+        min_calls = self.config["nvml_latency_min_calls"]
+        return latency_fields(timed, min_calls), node_fields(timed, min_calls)
 
     def _smi(self, ctx: SweepContext) -> SmiListing:
         if not self.config["nvidia_smi"]:

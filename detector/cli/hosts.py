@@ -76,9 +76,10 @@ def _real_host(node_name: str, sysfs_root: Path, nvidia_smi: str, kernel_cursor:
     else:
         boot_id, kernel_log = live_kernel_log(cursor_file=kernel_cursor)
     from detector.backends.infiniband import sysfs_infiniband
+    from detector.backends.nvml_timing import TimedNvml
     from detector.backends.system import host_system
 
-    host = Host(node_name, pynvml, SubprocessSmi([nvidia_smi]), SysfsPciBus(sysfs_root),
+    host = Host(node_name, TimedNvml(pynvml), SubprocessSmi([nvidia_smi]), SysfsPciBus(sysfs_root),
                 nvml_init_error=init_error, kernel_log=kernel_log, boot_id=boot_id,
                 close=_shutdown(pynvml) if init_error is None else (lambda: None))
     host.infiniband = sysfs_infiniband(sysfs_root)
@@ -132,16 +133,17 @@ def _fake_host(scenario: str, node_name: str | None, sysfs_root: Path | None, nv
         loaded = load_scenario(scenario)
     except SourceError as e:
         raise BackendError(f"fake scenario: {e}") from None
+    simulated = isinstance(clock, SimulatedClock)      # slow NVML calls are simulated, not slept
     if not nvidia_smi:
         return _on_clock(fake_host(loaded.build(node_name, clock=clock), sysfs_root=sysfs_root,
-                                   kernel_cursor=kernel_cursor), clock)
+                                   kernel_cursor=kernel_cursor, simulated_time=simulated), clock)
     # An external fake-nvidia-smi reads the node through a state file kept current on every fault.
     tmp = Path(tempfile.mkdtemp(prefix="gpu-npd-fake-"))
     state_file = tmp / "state.json"
     node = loaded.build(node_name, clock=clock, on_change=mirror_to(state_file))
     save_state(node, state_file)
     host = fake_host(node, sysfs_root=sysfs_root, smi_command=[nvidia_smi], smi_env={STATE_ENV: str(state_file)},
-                     kernel_cursor=kernel_cursor)
+                     kernel_cursor=kernel_cursor, simulated_time=simulated)
     shutdown = host.close
 
     def close() -> None:

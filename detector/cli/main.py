@@ -188,6 +188,8 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
     post_mortem = bool(args.kernel_log) and [c.name for c in checks] == ["xid"]
     host = open_host(args.nvml, node_name=args.node_name, sysfs_root=args.sysfs_root, nvidia_smi=args.nvidia_smi,
                      post_mortem=post_mortem, clock=clock)
+    # one sweep and no more: no window will fill, so counters since the driver loaded are compared across GPUs
+    host.one_sweep = not args.duration
     if not args.quiet:
         print(f"gpu-npd: {describe_rules(ruleset)}", file=sys.stderr, flush=True)
     progress = None if args.quiet else _show_progress

@@ -23,3 +23,22 @@ class SimulatedClock:
         """Let `seconds` pass at once (a negative or zero wait passes none)."""
         with self._lock:
             self._now += max(0.0, seconds)
+
+
+class ScaledClock:
+    """Monotonic seconds running `factor` times faster than real time: a fake node's ten-minute windows fill in
+    seconds under a daemon whose loops keep real time (drills, the emulator tests). `sleep` waits the real
+    time that covers `seconds` of it."""
+
+    def __init__(self, factor: float, start: float | None = None):
+        if factor <= 0:
+            raise ValueError("a scaled clock's factor must be positive")
+        self.factor = factor
+        self._real0 = time.monotonic()
+        self._start = self._real0 if start is None else start
+
+    def __call__(self) -> float:
+        return self._start + (time.monotonic() - self._real0) * self.factor
+
+    def sleep(self, seconds: float) -> None:
+        time.sleep(max(0.0, seconds) / self.factor)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Hashable
+from typing import Callable, Hashable
 
 
 @dataclass(frozen=True)
@@ -57,3 +57,23 @@ class CounterWindow:
         """Forget counters no longer seen (a GPU gone, a port removed), so memory stays bounded."""
         for key in set(self._samples) - keys:
             del self._samples[key]
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self._samples
+
+    def forget(self, keep: Callable[[Hashable], bool]) -> None:
+        """Forget every counter whose key `keep` rejects (keys that are tuples of a GPU and more)."""
+        for key in [k for k in self._samples if not keep(k)]:
+            del self._samples[key]
+
+
+def span_text(seconds: float) -> str:
+    """A duration as people say it: '45 s', '21 min', '3 h 5 min', '5 days'."""
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    if seconds < 2 * 86400:
+        hours, minutes = divmod(int(seconds // 60), 60)
+        return f"{hours} h {minutes} min" if minutes else f"{hours} h"
+    return f"{seconds / 86400:.0f} days"

@@ -36,6 +36,8 @@ class Host:
                                        # (detector/backends/system.py); None: not readable here
     uptime_s: Callable[[], float | None] = lambda: None   # seconds since this boot; None: unknown (a replay)
     snapshot: bool = False             # one saved capture (a replay): what it shows counts as held
+    one_sweep: bool = False            # judged in one sweep and no more (`diagnose` without a duration): no
+                                       # window will fill, so counters are compared across same-model GPUs
     node_status: Callable[[], NodeStatus | None] = lambda: None   # what the cluster says of this node, as
                                        # last read (detector/core/nodestatus.py); None: unknown (no API server)
     clock: Callable[[], float] = time.monotonic   # what checks judging over time read (their windows)

@@ -83,15 +83,17 @@ def local_daemon(scenario: str = "h100-sxm-8", node_name: str = "gpu-node-1", *,
                  checks: list[str] | None = None, emulator: Emulator | None = None,
                  state_dir: Path | None = None, workdir: Path | None = None,
                  user: str = SERVICE_ACCOUNT, rbac: Path = REPO_DEPLOY, node: FakeNode | None = None,
-                 api_server: str | None = None) -> LocalDaemon:
+                 api_server: str | None = None, clock: Callable[[], float] | None = None) -> LocalDaemon:
     """Build (not start) a daemon for a fresh fake node registered on an emulator (started if not given).
-    `api_server`: talk to this URL instead of the emulator's own (a proxy in front of it, in the tests)."""
+    `api_server`: talk to this URL instead of the emulator's own (a proxy in front of it, in the tests).
+    `clock`: the fake node's and the checks' time (a ScaledClock fills ten-minute windows in seconds); the
+    daemon's own loops keep real time."""
     workdir = workdir or Path(tempfile.mkdtemp(prefix="gpu-npd-local-"))
     owns = emulator is None
     if emulator is None:
         emulator = Emulator(rbac_paths=(rbac,))
         emulator.start()
-    node = node or load_scenario(scenario).build(node_name)
+    node = node or load_scenario(scenario).build(node_name, **({"clock": clock} if clock else {}))
     if not _has_node(emulator, node.name):
         emulator.create_node(node.name, labels={"nvidia.com/gpu.present": "true"},
                              capacity={"nvidia.com/gpu": str(len(node.snapshot().gpus))})
@@ -106,7 +108,10 @@ def local_daemon(scenario: str = "h100-sxm-8", node_name: str = "gpu-node-1", *,
     api = KubeApi.from_kubeconfig(str(kubeconfig), qps=50.0, burst=100)
     if api_server is not None:
         api = KubeApi(replace(api.connection, server=api_server), qps=50.0, burst=100)
-    daemon = Daemon(host, build_checks(registry, checks, check_settings or {}), ruleset, api, settings)
+    if clock is not None:
+        host.clock = clock
+    checks_built = build_checks(registry, checks, check_settings or {}, clock=clock or host.clock)
+    daemon = Daemon(host, checks_built, ruleset, api, settings)
     return LocalDaemon(emulator, node, daemon, workdir, _owns_emulator=owns)
 
 

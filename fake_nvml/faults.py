@@ -11,7 +11,17 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Mapping
 
-from fake_nvml import device_plugin, infiniband, nvml_latency, nvml_memory, nvml_nvlink, nvml_thermal, pci, system
+from fake_nvml import (
+    device_plugin,
+    driver_lines,
+    infiniband,
+    nvml_latency,
+    nvml_memory,
+    nvml_nvlink,
+    nvml_thermal,
+    pci,
+    system,
+)
 from fake_nvml.fault_kind import FaultArgs, FaultKind, set_field
 from fake_nvml.node import FakeGpu, FakeNode, NodeState
 
@@ -154,6 +164,7 @@ _MODULES = (
     device_plugin,     # the allocatable check
     pci,               # the pcie check's replay counter
     nvml_latency,      # the visibility check's latency: a GPU whose NVML calls are slow
+    driver_lines,      # the xid check's driver lines without an Xid: RM init, GSP timeout, PCIe AER, peermem
 )
 
 

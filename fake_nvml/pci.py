@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 
 from detector.backends.pci import NVIDIA_VENDOR, PciDevice
+from fake_nvml.driver_lines import upstream_port
 from fake_nvml.fault_kind import FaultArgs, FaultKind
 from fake_nvml.node import FakeGpu, FakeNode, NodeState
 
@@ -35,6 +36,7 @@ def _gpu_device(gpu: FakeGpu, driver_loaded: bool) -> PciDevice:
         class_code=GPU_CLASS, driver="nvidia" if driver_loaded and gpu.nvml_visible else None,
         current_link_width=gpu.pcie_width, max_link_width=gpu.model.pcie_max_width,
         current_link_speed=_SPEEDS.get(gpu.pcie_gen), max_link_speed=_SPEEDS.get(gpu.model.pcie_max_gen),
+        upstream=(upstream_port(gpu),),
     )
 
 
@@ -53,7 +55,7 @@ def write_sysfs(state: NodeState, root: Path) -> None:
     devices_dir = root / "bus" / "pci" / "devices"
     devices_dir.mkdir(parents=True, exist_ok=True)
     for dev in pci_devices(state):
-        real = root / "devices" / f"pci{dev.bus_id[:4]}:00" / dev.bus_id
+        real = root / "devices" / f"pci{dev.bus_id[:4]}:00" / Path(*dev.upstream[::-1]) / dev.bus_id
         real.mkdir(parents=True, exist_ok=True)
         files = {"vendor": f"0x{dev.vendor:04x}", "device": f"0x{dev.device:04x}", "class": f"0x{dev.class_code:06x}",
                  "current_link_width": dev.current_link_width, "max_link_width": dev.max_link_width,

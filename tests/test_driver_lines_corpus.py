@@ -1,7 +1,7 @@
 """Real non-Xid GPU driver failure lines and their look-alikes (tests/fixtures/driver_lines/, issue 31).
 
-The parser that names these kinds is issue 31's next step; today this checks the corpus itself and that
-none of its look-alikes is taken for an XID or SXid event by the saved-log parser."""
+This checks the corpus itself and that none of its look-alikes is taken for an XID or SXid event by the
+saved-log parser; tests/test_driver_lines.py holds the driver-line parser and the xid check to it."""
 
 from __future__ import annotations
 
@@ -39,7 +39,12 @@ CASES = [(f"{stem}:{i}", e["line"], e["expect"]) for stem, doc in DOCS for i, e 
 @pytest.mark.parametrize("stem,doc", DOCS, ids=[d[0] for d in DOCS])
 def test_file_shape(stem, doc):
     assert isinstance(doc, dict), stem
-    assert set(doc) == {"source", "what", "lines"}, set(doc)
+    assert set(doc) == {"source", "what", "lines", "findings"}, set(doc)
+    assert isinstance(doc["findings"], list)
+    for finding in doc["findings"]:
+        assert set(finding) == {"rule", "gpu"} and (finding["gpu"] is None or BUS.match(finding["gpu"])), finding
+    lookalikes_only = all(e["expect"] == "none" for e in doc["lines"])
+    assert (doc["findings"] == []) == lookalikes_only, "a file of look-alikes gives nothing, any other something"
     assert re.match(r"^https?://\S+$", doc["source"]), doc["source"]
     assert isinstance(doc["what"], str) and doc["what"].strip()
     assert isinstance(doc["lines"], list) and doc["lines"]

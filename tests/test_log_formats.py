@@ -10,7 +10,7 @@ import pytest
 
 from detector.checks.xid.logfiles import looks_like_kernel_log
 from detector.checks.xid.parser import KERNEL, UNVERIFIED, KernelEvent, parse_line
-from detector.checks.xid.wrappers import peel
+from detector.backends.kernlog.wrappers import peel
 from tests.test_saved_logs import X79, diagnose, rules, xid_run
 
 
@@ -105,3 +105,29 @@ def test_locale_journal_through_diagnose(tmp_path, capsys, month):
     assert (event["code"], event["gpu"]["index"], event["origin"]) == (79, 3, KERNEL)
     assert event["time"] is not None
     assert code == 1 and rules(report) == {"xid-79"}
+
+
+def test_dmesg_H_delta_line_takes_the_minute_before_it(tmp_path, capsys):
+    """A delta line happened in the minute of the last minute stamp (dmesg -H prints one whenever the
+    minute changes): a saved log gives the XID on it that minute, read as UTC."""
+    path = tmp_path / "dmesg-H.txt"
+    path.write_text("[Oct 6 17:59] nvidia-uvm: Loaded the UVM driver, major device number 510.\n"
+                    "[  +0.000127] usb 3-5: new high-speed USB device number 4 using xhci_hcd\n"
+                    f"[  +2.500000] {X79}\n")
+    _, _, event = the_one_kernel_event(capsys, path)
+    assert event["time"] is not None and event["time"][4:] == "-10-06T17:59:00.000000Z", event["time"]
+
+
+@pytest.mark.parametrize("line", [
+    "[  123.456789] NVRM: GPU 0000:5d:00.0: RmInitAdapter failed! (0x22:0x56:667)",
+    "[Mon Oct  6 17:59:27 2025] nvidia: probe of 0000:5d:00.0 failed with error -1",
+    "Oct  6 17:59:27 gpu-node-7 kernel: NVRM: GPU 0000:5d:00.0: RmInitAdapter failed! (0x22:0x56:667)",
+    "11月 16 11:33:45 gpu-node-7 kernel: NVRM: GPU 0000:5d:00.0: RmInitAdapter failed! (0x22:0x56:667)",
+    "kern  :err   : [  +0.000127] NVRM: GPU 0000:5d:00.0: RmInitAdapter failed! (0x22:0x56:667)",
+    '{"MESSAGE" : "NVRM: GPU 0000:5d:00.0: RmInitAdapter failed! (0x22:0x56:667)", "_TRANSPORT" : "kernel"}',
+    "6,1234,5678901,-;NVRM: GPU 0000:5d:00.0: RmInitAdapter failed! (0x22:0x56:667)",
+])
+def test_driver_lines_are_read_in_every_format(line):
+    from detector.backends.kernlog.driverlines import parse_driver_line
+    event = parse_driver_line(line, year=2025)
+    assert event is not None and (event.kind, event.pci_bus_id) == ("rm_init_failed", "0000:5d:00.0"), line

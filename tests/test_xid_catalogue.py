@@ -29,7 +29,10 @@ XID_RULES = REPO / "rules" / "xid.yaml"
 
 XID_FIELDS = {"kind", "code", "pci_bus_id", "fatal", "recovery_action", "message", "pid", "process_name",
               "count", "source", "boot", "line", "incidents", "follows", "origin", "gpu_instance", "nvlink_unit",
-              "nvlink_subcode", "link", "applications", "detail", "faults"}
+              "nvlink_subcode", "link", "applications", "detail", "faults",
+              # issue 31: XID counts over a window, and the driver lines without an Xid (rules/driverlines.yaml)
+              "xid_in_window", "severity", "port", "reports", "reports_in_window", "driver_gpu", "minor",
+              "index_from"}
 KNOWN_FIELDS = {"xid": XID_FIELDS | set(COMMON_FIELDS)}
 
 # NVIDIA's immediate-action bucket per code; workflow buckets resolved as the project decided

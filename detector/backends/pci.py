@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -22,6 +23,9 @@ class PciDevice:
     max_link_width: int | None = None
     current_link_speed: str | None = None     # as sysfs: "32.0 GT/s PCIe"
     max_link_speed: str | None = None
+    # The PCIe ports above the device, nearest first (a switch's downstream port ... the root port), from its
+    # place in /sys/devices: what ties a port's AER lines in the kernel log to the GPU below it (issue 31).
+    upstream: tuple[str, ...] = ()
 
     @property
     def is_nvidia_gpu(self) -> bool:
@@ -69,7 +73,22 @@ class SysfsPciBus:
             max_link_width=_int_or_none(path / "max_link_width"),
             current_link_speed=_str_or_none(path / "current_link_speed"),
             max_link_speed=_str_or_none(path / "max_link_speed"),
+            upstream=_upstream(path),
         )
+
+
+_BUS_ID = re.compile(r"^[0-9a-f]{4,8}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]$")
+
+
+def _upstream(path: Path) -> tuple[str, ...]:
+    """`/sys/bus/pci/devices/0000:18:00.0` links to `/sys/devices/pci0000:00/0000:00:01.0/0000:16:00.0/
+    0000:17:00.0/0000:18:00.0`: the bus ids before the device's own are the ports above it."""
+    try:
+        parts = path.resolve().parts
+    except (OSError, RuntimeError):
+        return ()
+    ids = [p for p in parts[:-1] if _BUS_ID.match(p)]
+    return tuple(reversed(ids))
 
 
 def _read(path: Path) -> str:

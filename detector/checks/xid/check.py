@@ -7,18 +7,26 @@ keeps its cursor; a line must provably come from the kernel, since user space ca
 shows a user-space facility is no event (counted and listed as ignored); one whose format cannot tell
 (plain dmesg) is reported with `origin: unverified`, and the rules act on none of those. NVML's XID
 events and the kernel's lines of the same fault are one incident (`source: both`).
+
+The same reading gives the driver's failures that print no Xid (kernlog/driverlines.py: RM init and probe
+failures, GSP timeouts, PCIe AER on a GPU's link, nvidia_peermem load failures, assertions, crash dumps):
+their observations carry `kind` rm_init_failed, gsp_timeout, pcie_aer, peermem_failed, driver_assert or
+crash_dump (see `driver_events`). A "fallen off the bus" line without an Xid is read as XID 79.
 """
 
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import replace
 from datetime import datetime, timezone
 from typing import Any, Callable
 
+from detector.backends.kernlog.driverlines import PCIE_AER, AerReports, DriverEvent, parse_driver_line
 from detector.backends.kernlog.records import LogLine, is_kernel
 from detector.checks.xid.applications import GPU_SUSPECT_XIDS, ApplicationFaults
-from detector.checks.xid.incidents import IncidentTracker, gpu_for
+from detector.checks.xid.driver_events import DriverIncidents
+from detector.checks.xid.incidents import APPLICATION_XIDS, IncidentTracker, gpu_for
 from detector.checks.xid.logfiles import LogNotFound, SavedLog, looks_like_kernel_log, read_head, saved_logs
 from detector.checks.xid.metrics import XidMetrics
 from detector.checks.xid.nvml_events import NvmlXidListener
@@ -58,6 +66,20 @@ FIELDS = {
               "before it (one that did is folded into its headline's incident)",
     "applications": "XID 13/31: how many different applications (process names) raised XID 13 or 31 on this "
                     "GPU within application_window_s, this one included; else null",
+    "xid_in_window": "XID (kind xid): new incidents of XIDs that are not an application's (not in the "
+                     "RESTART_APP bucket nor 43-45) on this GPU within xid_rate_window_s, this one included; "
+                     "else null",
+    # Driver lines without an Xid (kind rm_init_failed, gsp_timeout, pcie_aer, peermem_failed, driver_assert,
+    # crash_dump); they also carry kind, pci_bus_id (the GPU: for AER the endpoint or the GPU below the port),
+    # message (the first line), count, incidents, follows, boot, line and origin.
+    "severity": "pcie_aer: the AER report's severity, fatal, uncorrected (non-fatal) or corrected; else null",
+    "port": "pcie_aer: the root or switch port(s) above the GPU whose lines reported it, '' for the GPU's own",
+    "reports": "pcie_aer: AER reports in this incident (their `PCIe Bus Error`/`error received` lines)",
+    "reports_in_window": "pcie_aer corrected: corrected AER reports on this GPU within aer_window_s; else null",
+    "driver_gpu": "`NVRM: GPU6 ...`: the driver's own GPU number (not NVML's index), else null",
+    "minor": "rm_init_failed: the device minor number (/dev/nvidiaN) the line names, else null",
+    "index_from": "driver lines: where the GPU's index comes from: NVML, or 'PCI bus order (NVML does not "
+                  "enumerate it)' for a GPU on the PCI bus that NVML does not list; '' when it has none",
 }
 TABLE_IGNORED = 5          # user-space lines named in diagnose's table
 TABLE_EVENTS = 20          # kernel events listed in diagnose's table; JSON lists up to max_kernel_events
@@ -86,6 +108,11 @@ class XidCheck(Check):
         "application_window_s": ConfigField(float, 86_400.0, "XID 13/31 from different applications on one GPU "
                                                              "within this long count together (field "
                                                              "`applications`)"),
+        "xid_rate_window_s": ConfigField(float, 3_600.0, "XID incidents on one GPU within this long count "
+                                                         "together (field `xid_in_window`)"),
+        "aer_window_s": ConfigField(float, 60.0, "corrected PCIe AER reports on one GPU within this long count "
+                                                 "together (field `reports_in_window`; DCGM's PCIe replay limit "
+                                                 "is per minute)"),
     }
     default_interval_s = 5.0
     default_timeout_s = 60.0
@@ -96,6 +123,8 @@ class XidCheck(Check):
         super().__init__(config, clock)
         self._listener: NvmlXidListener | None = None
         self._incidents = IncidentTracker(self.config["incident_gap_s"], self.config["dedupe_window_s"])
+        self._drivers = DriverIncidents(self.config["incident_gap_s"], self.config["aer_window_s"])
+        self._xid_times: dict[str, deque[float]] = {}   # GPU -> times of its new non-application XID incidents
         self._applications = ApplicationFaults(self.config["application_window_s"])
         self._uuids: dict[str, str] = {}          # bus id -> UUID, from `NVRM: GPU at ...` lines
         self._live_boots = SavedLogTimeline()     # boots of a live reader that knows no boot id
@@ -109,7 +138,11 @@ class XidCheck(Check):
         gpus = {g.pci_bus_id: g.ref() for g in ctx.inventory.gpus if g.pci_bus_id}
         self._uuids.update({g.pci_bus_id: g.uuid for g in ctx.inventory.gpus if g.pci_bus_id and g.uuid})
         self._incidents.start_run()
-        run = _Run(self._incidents, gpus, self._uuids, self.config["max_kernel_events"])
+        self._drivers.start_run()
+        known = set(gpus) | {d.bus_id for d in ctx.pci_gpus or []}
+        upstream = {port: d.bus_id for d in ctx.pci_gpus or [] for port in getattr(d, "upstream", ())}
+        run = _Run(self._incidents, gpus, self._uuids, self.config["max_kernel_events"],
+                   AerReports(known, upstream.get))
         nvml_count = self._read_nvml(ctx, run)          # first: its listen window may let log lines land
         path = self.config["kernel_log_file"]
         if path:
@@ -118,19 +151,48 @@ class XidCheck(Check):
         else:
             source, summary, error = self._read_live(ctx, run), "", ""
         now = time.time()
+        for event, boot, when, lineno, file in run.finish_drivers():
+            self._drivers.add(event, boot, when, lineno, file)
+        self._drivers.finish(self._incidents.groups)
         self._count_applications()
-        observations = [Observation(self.name, i.fields(), gpu_for(i.first.pci_bus_id, gpus, self._uuids),
+        in_window = self._count_xids()
+        observations = [Observation(self.name, {**i.fields(), "xid_in_window": in_window.get(id(i))},
+                                    gpu_for(i.first.pci_bus_id, gpus, self._uuids),
                                     i.first_time if i.first_time is not None else now)
                         for i in self._incidents.groups]
+        pci_order = [d.bus_id for d in ctx.pci_gpus or []] if not ctx.inventory.nvml_error else []
+        for d in self._drivers.groups:
+            gpu = None if d.first.kind == "peermem_failed" else _named(gpu_for(d.gpu or "", gpus, self._uuids),
+                                                                        pci_order)
+            fields = {**d.fields(), "index_from": "" if gpu is None or gpu.index is None else
+                      "NVML" if d.gpu in gpus else "PCI bus order (NVML does not enumerate it)"}
+            observations.append(Observation(self.name, fields, gpu, d.first_time if d.first_time is not None
+                                            else now))
         result = {
             "kernel_log": source, "lines_scanned": run.lines, "nvml_events": nvml_count,
             "kernel_events": run.events, "kernel_events_omitted": run.omitted,
             "incidents": sum(o.fields["incidents"] for o in observations),
+            "driver_lines": run.driver_lines, "aer_lines_not_on_a_gpu": run.aer.dropped,
             "groups_overflow": self._incidents.overflow, "ignored_events": run.ignored, **run.saved,
         }
         if self._listener and self._listener.error:
             result["nvml_events_error"] = self._listener.error
         return CheckOutput(observations, result, summary, error)
+
+    def _count_xids(self) -> dict[int, int]:
+        """XID incidents (not an application's) per GPU within xid_rate_window_s, at each one's own time."""
+        window = self.config["xid_rate_window_s"]
+        counts: dict[int, int] = {}
+        for i in sorted(self._incidents.groups, key=lambda i: (i.first_time is None, i.first_time or 0.0)):
+            e = i.first
+            if e.kind != "xid" or e.code in APPLICATION_XIDS or not e.pci_bus_id or i.first_time is None \
+                    or (e.pci_bus_id not in self._xid_times and len(self._xid_times) >= 4096):
+                continue
+            times = self._xid_times.setdefault(e.pci_bus_id, deque(maxlen=4096))
+            if i.new and i.follows is None:
+                times.append(i.first_time)
+            counts[id(i)] = sum(1 for t in times if i.first_time - window < t <= i.first_time)
+        return counts
 
     def _count_applications(self) -> None:
         """XID 13/31 incidents learn how many applications have faulted on their GPU (in time order)."""
@@ -161,7 +223,14 @@ class XidCheck(Check):
             if not is_kernel(line):
                 continue                         # written by a user-space program, not the kernel
             parsed = parse_line(line.text, kernel=line.priority is not None)
-            if parsed is None or not _proven_kernel(line, parsed):
+            if parsed is None:
+                driver = parse_driver_line(line.text, kernel=line.priority is not None)
+                if driver is not None and driver.origin == KERNEL:
+                    boot = line.boot_id or self._live_boots.see(driver)
+                    run.take_driver(driver, line.seq if line.seq is not None else line.lineno, boot,
+                                    line.realtime or driver.time, None, line.lineno)
+                continue
+            if not _proven_kernel(line, parsed):
                 continue
             if isinstance(parsed, UuidMapping):
                 self._uuids[parsed.pci_bus_id] = parsed.uuid
@@ -206,6 +275,12 @@ class XidCheck(Check):
             if isinstance(parsed, SplitStart):
                 split, split_line = parsed, lineno
                 return
+            if isinstance(parsed, DriverEvent):
+                boot = timeline.see(parsed)
+                if parsed.origin != USER_SPACE:
+                    run.take_driver(parsed, run.lines + lineno, boot, timeline.judged_time(parsed), log.name,
+                                    lineno)
+                return
             if isinstance(parsed, KernelEvent) and not parsed.pci_bus_id and split and lineno - split_line <= 3:
                 parsed = replace(parsed, pci_bus_id=split.pci_bus_id)     # the end of a split message
                 split = None
@@ -216,7 +291,7 @@ class XidCheck(Check):
         try:
             with log.open() as stream:
                 head = read_head(stream)
-                lines = scan_stream(stream, on_line).lines
+                lines = scan_stream(stream, on_line, drivers=True).lines
         except (OSError, EOFError, ValueError) as e:   # unreadable, or a corrupt compressed piece
             raise OSError(f"cannot read kernel log {log.name}: {getattr(e, 'strerror', None) or e}") from None
         run.lines += lines
@@ -238,6 +313,15 @@ class XidCheck(Check):
         return len(events)
 
 
+def _named(gpu: GpuRef, pci_order: list[str]) -> GpuRef:
+    """A GPU NVML does not enumerate (its RM init failed) is numbered by its place among the NVIDIA GPUs on
+    the PCI bus in bus order: the index NVML gives it when it does enumerate it (NVML numbers GPUs in PCI bus
+    order), and the observation's `index_from` says so. A GPU not on the PCI bus stays unnumbered."""
+    if gpu.index is not None or not gpu.pci_bus_id or gpu.pci_bus_id not in pci_order:
+        return gpu
+    return GpuRef(pci_order.index(gpu.pci_bus_id), gpu.uuid, gpu.pci_bus_id)
+
+
 def _proven_kernel(line: LogLine, parsed: Any) -> bool:
     """Live lines: a source that knows the facility (kmsg, journald) has proven it (parse_line was told);
     a log file's line must carry a wrapper that says `kernel`. A UUID mapping only names a GPU."""
@@ -249,8 +333,13 @@ class _Run:
     check's tracker (which merges them with NVML's events of the same faults)."""
 
     def __init__(self, incidents: IncidentTracker, gpus: dict[str, GpuRef], uuids: dict[str, str],
-                 max_events: int):
+                 max_events: int, aer: AerReports | None = None):
         self.incidents = incidents
+        self.aer = aer or AerReports()
+        self.driver_lines = 0
+        self._drivers: list[tuple[DriverEvent, str, float | None, int | None, str | None, int]] = []
+        self._aer_context: dict[int, tuple[str, float | None, str | None, int | None]] = {}
+        self._order = 0
         self.gpus = gpus
         self.uuids = uuids                    # bus id -> UUID, as the log maps them (the check's, updated live)
         self.max_events = max_events
@@ -261,6 +350,34 @@ class _Run:
         self.ignored = 0
         self.ignored_lines: list[dict[str, Any]] = []
         self.saved: dict[str, Any] = {}
+
+    def take_driver(self, event: DriverEvent, position: int | None, boot: str, when: float | None,
+                    file: str | None, lineno: int | None) -> None:
+        """A driver line; an AER line waits for its report's burst to say which GPU it is about.
+        `position`: where it stands among the run's lines (a saved log's lines across its files, or a kmsg
+        sequence number), which tells an AER burst from the next."""
+        self.driver_lines += 1
+        self._order += 1
+        if position is None:
+            position = self._order
+        if event.kind != PCIE_AER:
+            self._drivers.append((event, boot, when, lineno, file, position))
+            return
+        if len(self._aer_context) < 65_536:
+            self._aer_context[position] = (boot, when, file, lineno)
+        for resolved, at in self.aer.feed(event, position):
+            self._take_aer(resolved, at)
+
+    def _take_aer(self, event: DriverEvent, position: int | None) -> None:
+        boot, when, file, lineno = self._aer_context.get(position, ("", event.time, None, None))
+        self._drivers.append((event, boot, when, lineno, file, position or 0))
+
+    def finish_drivers(self) -> list[tuple[DriverEvent, str, float | None, int | None, str | None]]:
+        """The run's driver lines in log order, the AER lines tied to their GPU (or dropped)."""
+        for resolved, at in self.aer.finish():
+            self._take_aer(resolved, at)
+        self._aer_context.clear()
+        return [d[:5] for d in sorted(self._drivers, key=lambda d: d[5])]
 
     def awaits_process(self, now: float) -> bool:
         """Whether a recent application fault read in this run still names no process: its line may be next."""

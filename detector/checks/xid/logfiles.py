@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import BinaryIO, Callable
 
 from detector.backends.safefile import not_regular, open_regular
-from detector.checks.xid.wrappers import peel
+from detector.backends.kernlog.wrappers import peel
 
 _NUMBERED = re.compile(r"^(?P<base>.+?)\.(?P<n>\d+)(?:\.(?:gz|bz2|xz))?$")
 _DATED = re.compile(r"^(?P<base>.+?)-(?P<date>\d{8}(?:\d{2,6})?)(?:\.(?:gz|bz2|xz))?$")
@@ -93,10 +93,15 @@ def rotation_key(path: Path) -> tuple:
 
 def looks_like_kernel_log(head: bytes) -> bool:
     """Whether any of the first lines is in a format the scanner knows (a stamp, a kmsg record, a
-    journal entry): what tells a kernel log from some other file named by mistake."""
+    journal entry, or a bare device message as `journalctl -k -o cat` prints it: `pcieport 0000:00:1c.5: ...`):
+    what tells a kernel log from some other file named by mistake."""
     text = head.decode("utf-8", "replace")
     lines = text.splitlines()[:-1] if len(head) >= SNIFF_BYTES else text.splitlines()
-    return any(peel(line).wrapped for line in lines[:200] if line.strip())
+    return any(peel(line).wrapped or _DEVICE_MESSAGE.match(line) for line in lines[:200] if line.strip())
+
+
+# The kernel's dev_printk shape: driver name, the device's PCI address, then the message.
+_DEVICE_MESSAGE = re.compile(r"^\s*[\w.-]+ [0-9a-fA-F]{4,8}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2}\.[0-7]: \S")
 
 
 class _Peekable:

@@ -25,7 +25,7 @@ import re
 from dataclasses import dataclass
 from functools import lru_cache
 
-from detector.checks.xid.wrappers import KERNEL, UNVERIFIED, USER_SPACE, peel
+from detector.backends.kernlog.wrappers import KERNEL, UNVERIFIED, USER_SPACE, peel
 from detector.backends.pciaddr import normalize_bus_id
 
 _BUS_TEXT = r"[0-9a-fA-F]{4,8}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2}(?:\.[0-7])?|[0-9a-fA-F]{2}:[0-9a-fA-F]{2}(?:\.[0-7])?"

@@ -59,6 +59,9 @@ _TAG = re.compile(r"(?:(?P<host>[^\s:\[\]]+) )?(?P<tag>[^\s:\[\]]+)(?:\[\d+\])?:
 _INNER_MONO = re.compile(r"\[\s*(?P<mono>\d+\.\d+)\]\s(?:\[\s*[TC]\d+\]\s)?")
 # Words that start a kernel message and look like a `tag:` (`NVRM: Xid`, `Command line: ...`).
 _NOT_TAGS = ("NVRM", "nvidia-nvswitch", "line")
+# Kernel modules whose messages start `name: ` (`nvidia: probe of ...`, `nvidia_peermem: Unknown symbol ...`):
+# after a stamp and with no host before them, they are the message, not a syslog tag.
+_MODULE_PREFIXES = frozenset({"nvidia", "nvidia_peermem", "nv_peer_mem", "nvidia-peermem"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,7 +108,8 @@ def peel(line: str, year: int | None = None) -> Wrapped:
         wall, tag_allowed = None, line.startswith("kernel:", pos)
     stamped = m is not None or facility_kernel is not None
     tagged = False
-    if tag_allowed and (t := _TAG.match(line, pos)) and not t["tag"].startswith(_NOT_TAGS):
+    if tag_allowed and (t := _TAG.match(line, pos)) and not t["tag"].startswith(_NOT_TAGS) \
+            and not (t["host"] is None and t["tag"] in _MODULE_PREFIXES):
         if m is not None and (m["mono"] or m["human"] or m["rel"]) and not (t["host"] and (t["tag"] == "kernel" or "[" in t[0])):
             pass                            # `[ 1.2] usb 1-1: ...`: dmesg's, not journalctl's `host tag:`
         else:
@@ -231,3 +235,13 @@ def _syslog_second(base: str, year: int | None) -> float | None:
 
 
 _DATE = re.compile(r"(?P<mon>[^\d\s]+|\d{1,2}[月월]) ?(?P<day>\d{1,2}) (?P<hms>\d\d:\d\d(?::\d\d)?)")
+
+
+_HUMAN = re.compile(rf"{_MON} ?\d{{1,2}} \d\d:\d\d")
+
+
+def human_stamp_time(stamp: str, year: int | None = None) -> float | None:
+    """The time of a `dmesg -H` minute stamp's text (`May19 19:57`, `4月21 11:15`), or None when it is none:
+    the `[  +0.000127]` delta lines after it happened within that minute (dmesg prints a new minute stamp
+    when the minute changes)."""
+    return _syslog_time(stamp, year) if _HUMAN.fullmatch(stamp) else None

@@ -33,6 +33,9 @@ NAMED = {
     # calls outlast the inventory's 10 s deadline, so the daemon names it hung (diagnose --duration, on
     # simulated time, names it slow: tests/test_diagnose_watch.py).
     "h100-sxm-8-nvml-slow": ("GpuMissing", 7),
+    "h100-sxm-8-init-failed": ("GpuMissing", 4),
+    "h100-sxm-8-gsp-timeout": ("GpuXidError", 1),
+    "h100-sxm-8-aer": ("GpuPcieDegraded", 0),
 }
 LOOK_ALIKES = ["h100-sxm-8", "h100-sxm-8-power-capped", "h100-sxm-8-ecc-corrected", "h100-sxm-8-throttle-blip"]
 QUIET_FOR_S = 15 * 60            # of the node's time: every window full, the look-alikes' patterns played out

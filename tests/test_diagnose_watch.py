@@ -27,6 +27,9 @@ NAMED_AFTER_WATCH = {
     "h100-sxm-8-pcie-replays": 2,
     "h100-sxm-8-sbe-storm": 6,
     "h100-sxm-8-nvml-slow": 7,
+    "h100-sxm-8-init-failed": 4,
+    "h100-sxm-8-gsp-timeout": 1,
+    "h100-sxm-8-aer": 0,
 }
 ONLY_A_WATCH_SEES = ["h100-sxm-8-nvlink-replay", "h100-sxm-8-hw-slowdown", "h100-sxm-8-pcie-replays",
                      "h100-sxm-8-sbe-storm"]   # rates and shares of a window
@@ -48,8 +51,11 @@ def test_one_sweep_cannot_see_a_rate(capsys, scenario):
 def test_a_two_minute_watch_names_the_gpu(capsys, scenario, gpu):
     code, out = watch_json(capsys, scenario)
     assert code == 1
-    named = {g["index"] for p in out["problems"] for g in p["gpu_details"]}
-    assert named == {gpu}, out["problems"]
+    details = [g for p in out["problems"] for g in p["gpu_details"]]
+    assert gpu in {g["index"] for g in details}, out["problems"]
+    # Every problem is about that GPU: a GPU NVML does not enumerate has no NVML index, so the visibility
+    # check names it by bus id alone (the xid check's driver line numbers it by PCI bus order, and says so).
+    assert {g["pci_bus_id"] for g in details} == {load_scenario(scenario).pci_bus_ids[gpu]}, out["problems"]
     assert out["watch"] == {"duration_s": 120.0, "watched_s": 120.0, "sweeps": out["watch"]["sweeps"],
                             "time": "simulated", "interrupted": False}
     assert out["watch"]["sweeps"] >= 9          # the 15 s thermal interval over 120 s, both ends included

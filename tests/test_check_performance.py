@@ -203,6 +203,10 @@ def test_a_replayed_capture_compares_its_cumulative_hw_throttle_counters(tmp_pat
                    "hw_power_brake_slowdown": 253}),
     ("595.58.03", {"sw_power_cap": 74, "sync_boost": 76, "sw_thermal_slowdown": 269, "hw_thermal_slowdown": 270,
                    "hw_power_brake_slowdown": 271}),
+    # a real H100 on 580.159.04 answers 269-271 and refuses 251-268 (tests/fixtures/gpu_check/h100-vm-580-perf)
+    ("580.159.04", {"sw_power_cap": 74, "sync_boost": 76, "sw_thermal_slowdown": 269, "hw_thermal_slowdown": 270,
+                    "hw_power_brake_slowdown": 271}),
+    ("580.95.05", {"sw_power_cap": 74, "sync_boost": 76}),     # between what was seen: neither is asked for
     (None, {"sw_power_cap": 74, "sync_boost": 76}),
     ("garbage", {"sw_power_cap": 74, "sync_boost": 76}),
 ])

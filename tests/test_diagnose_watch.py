@@ -139,3 +139,11 @@ def test_ctrl_c_ends_the_watch_early_and_judges_what_was_seen(registry):
     host.close()
     assert (watch.interrupted, watch.sweeps, watch.watched_s) == (True, 3, 30.0)
     assert sweep.runs[0].observations[0].fields["runs"] == 3
+
+
+def test_without_its_package_metadata_gpu_npd_says_how_to_install_in_one_line(monkeypatch, capsys):
+    """A checkout run with PYTHONPATH alone (no entry points): one line and exit 2, never a traceback."""
+    monkeypatch.setattr("detector.core.check.entry_points", lambda group: [])
+    assert main(["diagnose", "--nvml", "fake:h100-sxm-8", "-q"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "gpu-npd: error: no checks registered" in err and "make install" in err

@@ -132,3 +132,19 @@ def test_a_real_h100_busy_at_its_power_cap_is_neither_slow_nor_throttled(capture
         assert last["busy_ready"] and 1290 <= last["busy_sm_clock_mhz"] <= 1410, last
         assert last["throttle_ratio"]["sw_power_cap"] > 0.5
     assert problems == [], [p.message for p in problems]
+
+
+def test_the_throttle_counter_ids_asked_of_this_driver_are_the_ones_it_answers():
+    """The ids the performance check asks driver 580.159.04 for answered there as counters, and the other
+    header's ids did not (a real machine's scan of ids 240-280, idle and busy)."""
+    from detector.backends.nvmlcompat import throttle_counter_fields
+
+    scan = json.loads((CAPTURE.parent / "field-id-scan.json").read_text())
+    asked = throttle_counter_fields(scan["driver"])
+    moved = {name: fid for name, fid in asked.items() if name not in ("sw_power_cap", "sync_boost")}
+    assert set(moved) == {"sw_thermal_slowdown", "hw_thermal_slowdown", "hw_power_brake_slowdown"}
+    for phase in ("idle", "busy"):
+        for fid in moved.values():
+            assert scan[phase][str(fid)].get("type") == pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG, (phase, fid)
+        for fid in (251, 252, 253):
+            assert scan[phase][str(fid)] == {"return": pynvml.NVML_ERROR_NOT_SUPPORTED}, (phase, fid)

@@ -119,14 +119,21 @@ class GpuFabricInfoV2(ctypes.Structure):
 # NVML headers, so the number to ask for depends on the running driver, never on the binding:
 # - SW power cap and sync boost are the old perf-policy ids NVML_FI_DEV_PERF_POLICY_POWER (74) and
 #   _SYNC_BOOST (76), aliased NVML_FI_DEV_CLOCKS_EVENT_REASON_SW_POWER_CAP / _SYNC_BOOST: the same everywhere.
-# - SW thermal, HW thermal and HW power brake: 251, 252, 253 in the nvml.h of the 575-580 drivers (pynvml of
-#   that era, NVML_FI_MAX 274, power smoothing at 256-273; nvidia-smi 580.65.06 asks for 251-253, per
-#   NVIDIA/k8s-test-infra's mock NVML tests); 269, 270, 271 in the later header (nvidia-ml-py 13.615.71, where
-#   251-268 became the power smoothing fields). Asking the wrong driver for them reads power smoothing
-#   settings as throttle time, so below 575 they are not asked for at all.
-THROTTLE_COUNTER_FIELDS_SINCE: tuple[tuple[tuple[int, ...], dict[str, int]], ...] = (
-    ((590,), {"sw_thermal_slowdown": 269, "hw_thermal_slowdown": 270, "hw_power_brake_slowdown": 271}),
-    ((575,), {"sw_thermal_slowdown": 251, "hw_thermal_slowdown": 252, "hw_power_brake_slowdown": 253}),
+# - SW thermal, HW thermal and HW power brake: 251, 252, 253 in the nvml.h of the 575 drivers and early 580
+#   (pynvml of that era, NVML_FI_MAX 274, power smoothing at 256-273; nvidia-smi 580.65.06 asks for 251-253,
+#   per NVIDIA/k8s-test-infra's mock NVML tests); 269, 270, 271 in the later header (nvidia-ml-py 13.615.71,
+#   where 251-268 became the power smoothing fields). The move happened inside the 580 branch: a real H100 on
+#   580.159.04 refuses 251-268 (NotSupported) and answers 269-271 with 64-bit counters, idle and busy
+#   (tests/fixtures/gpu_check/h100-vm-580-perf, tools/perf_capture.py --scan-ids). Asking the wrong driver
+#   reads power smoothing settings as throttle time, so they are asked for only where a header or a machine
+#   says which ids a version uses: not below 575, nor between 580.65.06 and 580.159.04, where none was seen.
+_OLD_IDS = {"sw_thermal_slowdown": 251, "hw_thermal_slowdown": 252, "hw_power_brake_slowdown": 253}
+_NEW_IDS = {"sw_thermal_slowdown": 269, "hw_thermal_slowdown": 270, "hw_power_brake_slowdown": 271}
+# (first version, first version past the range or None) -> the ids, newest first.
+THROTTLE_COUNTER_FIELDS_BY_VERSION: tuple[tuple[tuple[int, ...], tuple[int, ...] | None, dict[str, int]], ...] = (
+    ((590,), None, _NEW_IDS),
+    ((580, 159, 4), (590,), _NEW_IDS),
+    ((575,), (580, 65, 7), _OLD_IDS),
 )
 THROTTLE_COUNTER_FIELDS_ALWAYS: dict[str, int] = {"sw_power_cap": 74, "sync_boost": 76}
 
@@ -148,8 +155,8 @@ def throttle_counter_fields(driver_version: str | None) -> dict[str, int]:
     version = driver_major(driver_version)
     if version is None:
         return fields
-    for since, ids in THROTTLE_COUNTER_FIELDS_SINCE:
-        if version >= since:
+    for first, past, ids in THROTTLE_COUNTER_FIELDS_BY_VERSION:
+        if version >= first and (past is None or version < past):
             fields.update(ids)
             break
     return fields

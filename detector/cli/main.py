@@ -18,7 +18,7 @@ from detector import __version__
 from detector.cli.hosts import BackendError, open_host
 from detector.cli.signals import Interrupted, on_stop_signals, restore
 from detector.config import UsageError, load_selected_checks
-from detector.core.check import CheckRegistry
+from detector.core.check import CheckRegistry, RegistryError
 from detector.core.clock import SimulatedClock
 from detector.rules.loader import RuleErrors
 from detector.rules.sources import describe_rules, load_ruleset, rule_sources
@@ -48,7 +48,7 @@ def run_command(args: argparse.Namespace) -> int:
     previous = on_stop_signals() if in_main_thread else {}   # long-running commands install their own
     try:
         return args.func(args)
-    except (UsageError, SourceError, BackendError, KeyError, ValueError) as e:
+    except (UsageError, SourceError, BackendError, RegistryError, KeyError, ValueError) as e:
         message = e.args[0] if isinstance(e, KeyError) and e.args else e
         print(f"gpu-npd: error: {message}", file=sys.stderr)
         return EXIT_USAGE

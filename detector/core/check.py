@@ -152,6 +152,10 @@ class Check(ABC):
         return set(cls.fields) | set(COMMON_FIELDS)
 
 
+class RegistryError(Exception):
+    """The checks cannot be found or loaded: gpu-npd is not installed, or a plugin is broken."""
+
+
 class CheckRegistry:
     """Check classes by name. Built-in and third-party checks arrive the same way: entry points."""
 
@@ -181,11 +185,15 @@ class CheckRegistry:
     def from_entry_points(cls, group: str = ENTRY_POINT_GROUP) -> "CheckRegistry":
         registry = cls()
         for ep in entry_points(group=group):
-            check = ep.load()
+            try:
+                check = ep.load()
+            except Exception as e:  # noqa: BLE001 - a plugin that fails to import is named, not a traceback
+                raise RegistryError(f"the check entry point {ep.name} = {ep.value} cannot be loaded: "
+                                    f"{type(e).__name__}: {e}") from None
             if not (isinstance(check, type) and issubclass(check, Check)):
-                raise TypeError(f"entry point {ep.name} = {ep.value} is not a Check subclass")
+                raise RegistryError(f"entry point {ep.name} = {ep.value} is not a Check subclass")
             registry.register(check)
         if not registry._checks:
-            raise RuntimeError(f"no checks registered under entry-point group {group!r}: "
-                               "is gpu-npd installed (pip install -e .)?")
+            raise RegistryError(f"no checks registered under entry-point group {group!r}: gpu-npd's package "
+                                "metadata is missing (install it: pip install -e ., or `make install`)")
         return registry

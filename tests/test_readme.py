@@ -132,6 +132,9 @@ RUN: dict[str, Spec] = {
         exit=1, why="'a fake node whose GPU 3 fell off the bus'; exit code 1: a problem was found",
         expect=r"GpuMissing/GpuFellOffBus"),
     "gpu-npd diagnose --nvml fake:h100-sxm-8 -o json": Spec(expect=r'"healthy": true'),
+    "gpu-npd diagnose --nvml fake:h100-sxm-8-slow-gpu --duration 120": Spec(
+        exit=1, why="a watch of GPU 5, held at 400 W against its siblings' 700 W: a problem, exit 1",
+        expect=r"GpuPerformanceDegraded/SlowerThanPeers  GPUs 5"),
     "gpu-npd diagnose --nvml fake:h100-sxm-8-nvlink-replay --duration 120": Spec(
         exit=1, why="a watch of GPU 3's rising NVLink replays: a problem, exit 1",
         expect=r"watched 120 of 120 s \(simulated time\)[\s\S]*NvlinkReplay"),

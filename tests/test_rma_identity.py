@@ -46,7 +46,9 @@ def test_missing_gpu_row_carries_the_identity_keys_empty():
 
 def test_diagnose_table_shows_the_serial_column():
     proc = gpu_npd("diagnose", "--nvml", "fake:h100-sxm-8")
-    header, first = proc.stdout.splitlines()[2:4]
+    lines = proc.stdout.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("GPU "))
+    header, first = lines[at:at + 2]
     assert "SERIAL" in header.split()
     node = node_for("h100-sxm-8")
     assert node.snapshot().gpus[0].serial in first.split()

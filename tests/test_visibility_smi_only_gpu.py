@@ -35,8 +35,10 @@ def test_an_smi_error_for_an_unknown_bus_id_is_its_own_observation(tmp_path):
     by_bus = {o.gpu.pci_bus_id: o for o in run.observations if o.gpu}
     assert "0000:ba:00.0" in by_bus and len(by_bus) == 9          # the eight GPUs, and the one smi named
     unknown = by_bus["0000:ba:80.0"]
-    assert unknown.fields == {"pci_bus_id": "0000:ba:80.0", "on_pci": False, "driver": "", "in_nvml": False,
-                              "nvml_error": "", "in_smi": False, "smi_error": "Unknown Error"}
+    named = {"pci_bus_id": "0000:ba:80.0", "on_pci": False, "driver": "", "in_nvml": False,
+             "nvml_error": "", "in_smi": False, "smi_error": "Unknown Error"}
+    assert {key: unknown.fields[key] for key in named} == named
+    assert unknown.fields["nvml_p95_s"] is None and unknown.fields["nvml_calls"] == 0    # NVML never timed it
     assert unknown.gpu.index is None                               # no NVML index: named by its bus id
     assert run.result["smi_only_bus_ids"] == ["0000:ba:80.0"]
     assert run.result["smi_status"] == "partial" and run.result["smi_reason"] == "unknown_error"

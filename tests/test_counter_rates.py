@@ -328,3 +328,19 @@ def test_a_two_minute_watch_names_the_gpu_by_its_rate_not_its_totals(capsys, sce
     assert code == 1 and [p["reason"] for p in out["problems"]] == [reason], out["problems"]
     assert {g["index"] for p in out["problems"] for g in p["gpu_details"]} == {gpu}
     assert "comparison of totals" not in out["problems"][0]["message"]       # a watch judges rates only
+
+
+@pytest.mark.parametrize("values, middle, low, high", [
+    ([3.0], 3.0, 3.0, 3.0), ([4.0, 1.0], 2.5, 1.0, 4.0), ([5.0, 1.0, 3.0], 3.0, 3.0, 3.0),
+    ([0.0, 0.0, 9.0, 1e6], 4.5, 0.0, 9.0),
+])
+def test_medians_as_the_statistics_module_gives_them(values, middle, low, high):
+    import statistics
+
+    from detector.core.siblings import median, median_high, median_low
+
+    assert (median(values), median_low(values), median_high(values)) == (middle, low, high)
+    assert (middle, low, high) == (statistics.median(values), statistics.median_low(values),
+                                   statistics.median_high(values))
+    with pytest.raises(ValueError):
+        median([])

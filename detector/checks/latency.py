@@ -15,13 +15,14 @@ own). The thresholds are in rules/visibility.yaml.
 from __future__ import annotations
 
 import math
-import statistics
 import time
 from array import array
 from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Callable
+
+from detector.core.siblings import median_high, median_low
 
 MAX_SAMPLES = 2048          # per GPU in the window (a sweep makes ~105 calls per GPU): memory stays bounded
 
@@ -93,7 +94,7 @@ def latency_fields(gpus: Mapping[str, Timed], min_calls: int) -> dict[str, dict[
     for bus, t in gpus.items():
         lat = t.latency
         siblings = [s.latency.p95_s for b, s in ready.items() if b != bus and s.model == t.model and s.latency]
-        median = statistics.median_high(siblings) if siblings else None     # the higher middle: fewer alarms
+        median = median_high(siblings) if siblings else None     # the higher middle: fewer alarms
         out[bus] = {
             "nvml_calls": lat.calls if lat else 0,
             "nvml_p95_s": _figure(lat.p95_s) if lat else None,
@@ -112,7 +113,7 @@ def node_fields(gpus: Mapping[str, Timed], min_calls: int) -> dict[str, Any]:
     p95s = [t.latency.p95_s for t in gpus.values()
             if t.answered and t.latency is not None and t.latency.calls >= min_calls]
     return {"nvml_gpus_timed": len(p95s),
-            "nvml_median_p95_s": _figure(statistics.median_low(p95s)) if p95s else None}
+            "nvml_median_p95_s": _figure(median_low(p95s)) if p95s else None}
 
 
 def _figure(seconds: float) -> float:

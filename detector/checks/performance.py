@@ -27,7 +27,6 @@ the driver loaded) are compared across its GPUs.
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -42,6 +41,7 @@ from detector.core.check import Check, CheckOutput, ConfigField, GaugeSpec
 from detector.core.inventory import GpuInfo
 from detector.core.per_gpu import read_each_gpu
 from detector.core.rates import CounterWindow
+from detector.core.siblings import median
 from detector.core.sweep import SweepContext
 from detector.core.types import Observation
 
@@ -181,7 +181,7 @@ class PerformanceCheck(Check):
         span = samples[-1].at - samples[0].at
         busy = [s for s in samples if s.utilization is not None and s.utilization >= busy_at]
         clocks = [s.sm_clock for s in busy if s.sm_clock is not None]
-        busy_clock = round(statistics.fmean(clocks), 1) if clocks else None
+        busy_clock = round(sum(clocks) / len(clocks), 1) if clocks else None
         enough = span >= float(self.config["min_span"])
         fields: dict[str, Any] = {
             "model": gpu.name or "",
@@ -277,7 +277,7 @@ def _counters_said(counter_ids: dict[str, int], read: list[str], driver: str | N
 
 def _median(values: list[float | None]) -> float | None:
     known = [v for v in values if v is not None]
-    return round(statistics.median(known), 1) if known else None
+    return round(median(known), 1) if known else None
 
 
 def _vs(mine: float | None, theirs: float | None) -> float | None:

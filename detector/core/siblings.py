@@ -12,8 +12,33 @@ hold similar counts, large or small, never stand out."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from statistics import median
-from typing import Hashable, Mapping
+from typing import Hashable, Mapping, Sequence
+
+
+def median(values: Sequence[float]) -> float:
+    """The middle value (the mean of the two middle ones for an even count). Here rather than `statistics`,
+    which imports decimal and fractions: half a MiB of the daemon's memory for three lines."""
+    ordered = sorted(values)
+    if not ordered:
+        raise ValueError("the median of no values")
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+
+def median_low(values: Sequence[float]) -> float:
+    """The lower of the two middle values (a value that was measured, never a mean of two)."""
+    ordered = sorted(values)
+    if not ordered:
+        raise ValueError("the median of no values")
+    return ordered[(len(ordered) - 1) // 2]
+
+
+def median_high(values: Sequence[float]) -> float:
+    """The higher of the two middle values."""
+    ordered = sorted(values)
+    if not ordered:
+        raise ValueError("the median of no values")
+    return ordered[len(ordered) // 2]
 
 
 @dataclass(frozen=True)

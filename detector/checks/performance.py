@@ -36,7 +36,7 @@ import pynvml
 
 from detector.backends.nvmlcompat import optional, throttle_counter_fields
 from detector.checks.nvlink import _field_value
-from detector.checks.thermal import _reasons
+from detector.checks.thermal import _power, _reasons
 from detector.core.check import Check, CheckOutput, ConfigField, GaugeSpec
 from detector.core.inventory import GpuInfo
 from detector.core.per_gpu import read_each_gpu
@@ -189,7 +189,7 @@ class PerformanceCheck(Check):
             "busy": utilization is not None and utilization >= busy_at,
             "sm_clock_mhz": sm_clock, "max_sm_clock_mhz": rated,
             "app_clock_mhz": optional(nvml, "nvmlDeviceGetApplicationsClock", handle, _R.NVML_CLOCK_GRAPHICS),
-            **_power(nvml, handle),
+            **_draw_and_limit(nvml, handle),
             "samples": len(samples), "busy_samples": len(busy),
             "busy_pct": round(100 * len(busy) / len(samples), 1),
             "window_s": round(span, 1),
@@ -257,11 +257,10 @@ def _read_counters(nvml: Any, handle: Any, counter_ids: dict[str, int]) -> dict[
     return out
 
 
-def _power(nvml: Any, handle: Any) -> dict[str, Any]:
-    draw = optional(nvml, "nvmlDeviceGetPowerUsage", handle)
-    limit = optional(nvml, "nvmlDeviceGetEnforcedPowerLimit", handle)
-    return {"power_w": None if draw is None else round(draw / 1000, 1),
-            "power_limit_w": None if limit is None else round(limit / 1000, 1)}
+def _draw_and_limit(nvml: Any, handle: Any) -> dict[str, Any]:
+    """Power draw and enforced limit, read as the thermal check reads them."""
+    power = _power(nvml, handle)
+    return {"power_w": power["power_w"], "power_limit_w": power["power_limit_w"]}
 
 
 def _counters_said(counter_ids: dict[str, int], read: list[str], driver: str | None) -> str:

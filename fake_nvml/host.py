@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Callable
 
 import pynvml
 
@@ -12,6 +13,7 @@ from detector.backends.kernlog import CursorStore, KmsgReader
 from detector.backends.nvml_timing import TimedNvml
 from detector.backends.pci import SysfsPciBus
 from detector.backends.smi import SmiOutcome, SubprocessSmi
+from detector.core.clock import SimulatedClock
 from detector.core.inventory import nvml_error_name
 from detector.core.sweep import Host
 from fake_nvml.infiniband import fake_infiniband
@@ -43,11 +45,15 @@ class InProcessSmi:
 
 def fake_host(node: FakeNode, *, sysfs_root: Path | None = None, smi_command: list[str] | None = None,
               smi_env: dict[str, str] | None = None, threaded: bool = True,
-              kernel_cursor: Path | None = None, simulated_time: bool = False) -> Host:
+              kernel_cursor: Path | None = None, simulated_time: bool = False,
+              clock: Callable[[], float] | None = None) -> Host:
     """A Host whose every backend reads `node`. `sysfs_root`/`smi_command` swap in the real readers
     (over a written-out tree, or a fake-nvidia-smi process) to exercise them end to end. `simulated_time`:
-    the node runs on a simulated clock, so slow NVML calls are declared, not slept. NVML is timed per GPU
-    as on a real node (detector/backends/nvml_timing.py)."""
+    the node runs on a simulated clock, so slow NVML calls are declared, not slept. `clock`: the node's own,
+    which the host's checks and waits then keep; a SimulatedClock implies `simulated_time` (`diagnose
+    --duration`: time passes only by the host's sleep). NVML is timed per GPU as on a real node
+    (detector/backends/nvml_timing.py)."""
+    simulated_time = simulated_time or isinstance(clock, SimulatedClock)
     nvml = FakeNvml(node, simulated_time=simulated_time)
     init_error = None
     try:
@@ -69,4 +75,8 @@ def fake_host(node: FakeNode, *, sysfs_root: Path | None = None, smi_command: li
     host.infiniband = sysfs_infiniband(sysfs_root) if sysfs_root else fake_infiniband(node)
     host.system = fake_system(node)
     host.uptime_s = node.uptime_s
+    if clock is not None:
+        host.clock = clock
+    if isinstance(clock, SimulatedClock):
+        host.sleep, host.simulated_time = clock.sleep, True
     return host

@@ -10,7 +10,6 @@ from typing import Any, Callable
 
 from detector.backends.pci import SysfsPciBus
 from detector.backends.smi import SubprocessSmi
-from detector.core.clock import SimulatedClock
 from detector.core.sweep import Host
 
 
@@ -133,29 +132,20 @@ def _fake_host(scenario: str, node_name: str | None, sysfs_root: Path | None, nv
         loaded = load_scenario(scenario)
     except SourceError as e:
         raise BackendError(f"fake scenario: {e}") from None
-    simulated = isinstance(clock, SimulatedClock)      # slow NVML calls are simulated, not slept
     if not nvidia_smi:
-        return _on_clock(fake_host(loaded.build(node_name, clock=clock), sysfs_root=sysfs_root,
-                                   kernel_cursor=kernel_cursor, simulated_time=simulated), clock)
+        return fake_host(loaded.build(node_name, clock=clock), sysfs_root=sysfs_root, kernel_cursor=kernel_cursor,
+                         clock=clock)
     # An external fake-nvidia-smi reads the node through a state file kept current on every fault.
     tmp = Path(tempfile.mkdtemp(prefix="gpu-npd-fake-"))
     state_file = tmp / "state.json"
     node = loaded.build(node_name, clock=clock, on_change=mirror_to(state_file))
     save_state(node, state_file)
     host = fake_host(node, sysfs_root=sysfs_root, smi_command=[nvidia_smi], smi_env={STATE_ENV: str(state_file)},
-                     kernel_cursor=kernel_cursor, simulated_time=simulated)
+                     kernel_cursor=kernel_cursor, clock=clock)
     shutdown = host.close
 
     def close() -> None:
         shutdown()
         shutil.rmtree(tmp, ignore_errors=True)
     host.close = close
-    return _on_clock(host, clock)
-
-
-def _on_clock(host: Host, clock: Callable[[], float]) -> Host:
-    """The host's checks and waits on the fake node's own clock: simulated time passes only by its sleep."""
-    host.clock = clock
-    if isinstance(clock, SimulatedClock):
-        host.sleep, host.simulated_time = clock.sleep, True
     return host

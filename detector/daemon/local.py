@@ -102,15 +102,13 @@ def local_daemon(scenario: str = "h100-sxm-8", node_name: str = "gpu-node-1", *,
     if state_dir is not None:
         state_dir.mkdir(parents=True, exist_ok=True)
         settings.agent.state_dir = state_dir
-    host = fake_host(node, kernel_cursor=state_dir / "kmsg-cursor.json" if state_dir else None)
+    host = fake_host(node, kernel_cursor=state_dir / "kmsg-cursor.json" if state_dir else None, clock=clock)
     registry = CheckRegistry.from_entry_points()
     ruleset = load_rules([builtin_rules_dir()], registry.fields_by_check())
     api = KubeApi.from_kubeconfig(str(kubeconfig), qps=50.0, burst=100)
     if api_server is not None:
         api = KubeApi(replace(api.connection, server=api_server), qps=50.0, burst=100)
-    if clock is not None:
-        host.clock = clock
-    checks_built = build_checks(registry, checks, check_settings or {}, clock=clock or host.clock)
+    checks_built = build_checks(registry, checks, check_settings or {}, clock=host.clock)
     daemon = Daemon(host, checks_built, ruleset, api, settings)
     return LocalDaemon(emulator, node, daemon, workdir, _owns_emulator=owns)
 

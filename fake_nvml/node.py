@@ -152,6 +152,8 @@ class NodeState:
     kernel_module_version: str = ""  # the nvidia.ko loaded; "" = driver_version (another: a version mismatch)
     # -- node-level state of the fabric check (fabric manager) --
     fabric_manager_running: bool = True     # nv-fabricmanager's daemon (needed on NVSwitch systems)
+    fabric_clique_id: int = 0               # the NVLink domain the GPUs registered in (NVML's cliqueId) ...
+    fabric_cluster_uuid: str = ""           # ... and its cluster UUID; "": none (NVML reads zeros)
     # -- node-level state of the infiniband check (HCA ports) --
     ib_ports: list[FakeIbPort] = field(default_factory=list)   # InfiniBand/RoCE ports (fake_nvml/ib_port.py)
     # -- the device plugin and DRA driver (the allocatable check; fake_nvml/device_plugin.py) --

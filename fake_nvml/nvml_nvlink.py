@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import time
+import uuid
 from typing import Any
 
 import pynvml
@@ -30,8 +31,6 @@ _LEGACY = {pynvml.NVML_NVLINK_ERROR_DL_REPLAY: "replay", pynvml.NVML_NVLINK_ERRO
            pynvml.NVML_NVLINK_ERROR_DL_CRC_FLIT: "crc_flit", pynvml.NVML_NVLINK_ERROR_DL_CRC_DATA: "crc_data"}
 _FIELDS = {pynvml.NVML_FI_DEV_NVLINK_ERROR_DL_REPLAY: "replay", pynvml.NVML_FI_DEV_NVLINK_ERROR_DL_RECOVERY: "recovery",
            pynvml.NVML_FI_DEV_NVLINK_ERROR_DL_CRC: "crc_flit"}
-# Models whose GPUs register with an NVLink fabric (Hopper and later); the others answer NotSupported.
-FABRIC_PROBE_MODELS = frozenset({"h100-sxm5-80gb", "h200-sxm-141gb"})
 _HEALTHY_MASK = (nvml_constant("NVML_GPU_FABRIC_HEALTH_MASK_DEGRADED_BW_FALSE")
                  << nvml_constant("NVML_GPU_FABRIC_HEALTH_MASK_SHIFT_DEGRADED_BW")
                  | nvml_constant("NVML_GPU_FABRIC_HEALTH_MASK_ROUTE_RECOVERY_FALSE")
@@ -79,7 +78,7 @@ def fabric_of(gpu: FakeGpu, state: NodeState) -> tuple[int, int]:
     says otherwise; a fabric-capable GPU without NVSwitches has no fabric to join (NOT_SUPPORTED)."""
     if gpu.fabric_state is not None:
         return gpu.fabric_state, gpu.fabric_status
-    if not state.nvswitches:
+    if not state.nvswitches and not gpu.model.multinode_nvlink:
         return pynvml.NVML_GPU_FABRIC_STATE_NOT_SUPPORTED, pynvml.NVML_SUCCESS
     return pynvml.NVML_GPU_FABRIC_STATE_COMPLETED, pynvml.NVML_SUCCESS
 
@@ -149,14 +148,18 @@ class NvlinkCalls:
     def _fill_fabric(self, handle: Any, pointer: Any, versioned: bool) -> int:
         gpu = self._device(handle)   # type: ignore[attr-defined]
         info = _pointee(pointer)
-        if gpu.model.key not in FABRIC_PROBE_MODELS:
+        if not gpu.model.fabric_probe:
             raise _error(pynvml.NVML_ERROR_NOT_SUPPORTED)
         if versioned and info.version not in (nvml_constant("nvmlGpuFabricInfo_v2"),
                                               nvml_constant("nvmlGpuFabricInfo_v3")):
             raise _error(pynvml.NVML_ERROR_ARGUMENT_VERSION_MISMATCH)
         state, status = fabric_of(gpu, self._state())   # type: ignore[attr-defined]
-        info.state, info.status, info.cliqueId = state, status, 0
+        node = self._state()   # type: ignore[attr-defined]
+        info.state, info.status, info.cliqueId = state, status, node.fabric_clique_id
         ctypes.memset(ctypes.addressof(info.clusterUuid), 0, nvml_constant("NVML_GPU_FABRIC_UUID_LEN"))
+        if node.fabric_cluster_uuid and state == pynvml.NVML_GPU_FABRIC_STATE_COMPLETED:
+            ctypes.memmove(ctypes.addressof(info.clusterUuid), uuid.UUID(node.fabric_cluster_uuid).bytes,
+                           nvml_constant("NVML_GPU_FABRIC_UUID_LEN"))
         if versioned:
             done = state == pynvml.NVML_GPU_FABRIC_STATE_COMPLETED
             info.healthMask = _HEALTHY_MASK if done else 0

@@ -24,7 +24,21 @@ HGX8_BUS_IDS = ["0000:18:00.0", "0000:2a:00.0", "0000:3a:00.0", "0000:5d:00.0",
                 "0000:9a:00.0", "0000:ab:00.0", "0000:ba:00.0", "0000:db:00.0"]
 _UUID_NAMESPACE = uuid.UUID("5b0c6a52-3f7e-4d7e-9a61-0d6c4b1e8a10")
 _TOP_FIELDS = {"description", "extends", "node_name", "driver_version", "cuda_version", "gpu_model", "gpus",
-               "pci_bus_ids", "nvswitches", "faults", "infiniband"}
+               "pci_bus_ids", "nvswitches", "faults", "infiniband", "nvlink_domain"}
+
+
+@dataclass(frozen=True)
+class NvlinkDomain:
+    """The multi-node NVLink domain a node's GPUs register in (an NVL72 rack): NVML's clique ID and cluster
+    UUID, the same on every tray of the rack."""
+
+    clique_id: int
+    cluster_uuid: str
+
+    @classmethod
+    def named(cls, name: str, clique_id: int = 1) -> "NvlinkDomain":
+        """A domain whose cluster UUID derives from its name, so every node of a fleet's group shares it."""
+        return cls(clique_id, str(uuid.uuid5(_UUID_NAMESPACE, f"nvlink-domain/{name}")))
 
 
 @dataclass(frozen=True)
@@ -38,10 +52,14 @@ class Scenario:
     nvswitches: list[str]
     faults: list[TimedFault] = field(default_factory=list)
     infiniband: IbSpec = IbSpec()        # HCA ports (fake_nvml/infiniband.py); none by default
+    nvlink_domain: NvlinkDomain | None = None   # a multi-node NVLink domain (GB200 NVL72); None: none
 
-    def build(self, node_name: str | None = None, clock: Clock = time.monotonic, **kwargs: Any) -> FakeNode:
-        """A fresh fake node for this scenario. GPU UUIDs derive from the node name, so fleets differ."""
+    def build(self, node_name: str | None = None, clock: Clock = time.monotonic,
+              nvlink_domain: NvlinkDomain | None = None, **kwargs: Any) -> FakeNode:
+        """A fresh fake node for this scenario. GPU UUIDs derive from the node name, so fleets differ;
+        `nvlink_domain` puts the node in a fleet's shared domain instead of the scenario's own."""
         name = node_name or self.name
+        domain = nvlink_domain or self.nvlink_domain
         model = model_by_key(self.gpu_model)
         gpus = []
         for index, bus_id in enumerate(self.pci_bus_ids):
@@ -56,6 +74,8 @@ class Scenario:
             name=name, driver_version=self.driver_version, cuda_version=int(major) * 1000 + int(minor or 0) * 10,
             gpus=gpus, nvswitches=[NvSwitch(b) for b in self.nvswitches],
             boot_id=str(uuid.uuid5(_UUID_NAMESPACE, f"{name}/boot")), ib_ports=self.infiniband.build(),
+            fabric_clique_id=domain.clique_id if domain else 0,
+            fabric_cluster_uuid=domain.cluster_uuid if domain else "",
         )
         return FakeNode(state, list(self.faults), clock=clock, **kwargs)
 
@@ -113,7 +133,27 @@ def _parse(name: str, top: MappingReader, base: Scenario | None) -> Scenario:
         if top.has("nvswitches") else (list(base.nvswitches) if base else []),
         faults=faults,
         infiniband=parse_ib_spec(top, base.infiniband if base else None),
+        nvlink_domain=_nvlink_domain(top, base),
     )
+
+
+def _nvlink_domain(top: MappingReader, base: Scenario | None) -> NvlinkDomain | None:
+    """`nvlink_domain: {clique_id: 1, cluster_uuid: ...}`, or `nvlink_domain: NAME` (a UUID from the name)."""
+    if not top.has("nvlink_domain"):
+        return base.nvlink_domain if base else None
+    value = top.get("nvlink_domain", (str, dict))
+    if isinstance(value, str):
+        return NvlinkDomain.named(value)
+    r = top.child("nvlink_domain")
+    r.reject_unknown({"clique_id", "cluster_uuid"})
+    clique = r.get("clique_id", int, 1)
+    if not 0 <= clique < 2**32:
+        raise r.error("clique_id", f"expected 0 to 4294967295, got {clique}")
+    try:
+        cluster = str(uuid.UUID(r.get("cluster_uuid", str)))
+    except ValueError:
+        raise r.error("cluster_uuid", "expected a UUID (xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx)") from None
+    return NvlinkDomain(clique, cluster)
 
 
 def _bus_ids(top: MappingReader, base: Scenario | None) -> list[str]:

@@ -35,7 +35,7 @@ def test_every_bundled_scenario_runs_every_check_cleanly(scenario, registry):
             assert run.status == "ok", (run.name, run.error)
 
 
-@pytest.mark.parametrize("scenario", ["h100-sxm-8", "a100-pcie-4", "rtx-4090-1"])
+@pytest.mark.parametrize("scenario", ["h100-sxm-8", "a100-pcie-4", "rtx-4090-1", "gb200-nvl72-4"])
 def test_healthy_scenarios_have_no_problems(scenario, registry):
     out = diagnose_scenario(scenario, registry)
     assert out.problems == []

@@ -25,15 +25,19 @@ NODES_CONFIG = "/etc/nvidia-imex/nodes_config.cfg"
 TIMESTAMP = "9/4/2026 00:37:39.905"
 
 
-def configure(state: NodeState, peers: int, installed: bool = True, enabled: bool = True) -> None:
-    """Set the node up as an NVL72 tray's IMEX member: its own address and `peers` others (the rack's trays)."""
+def configure(state: NodeState, peers: int, installed: bool = True, enabled: bool = True,
+              managed_by: str = "host") -> None:
+    """Set the node up as an NVL72 tray's IMEX member: its own address and `peers` others (the rack's trays).
+    managed_by host: the nvidia-imex unit enabled with a nodes config; compute_domain: a ComputeDomain's daemon
+    pod runs IMEX with its own config, and the host's unit stays disabled (the DRA driver's default)."""
     state.imex_installed = installed
-    state.imex_service_enabled = enabled and installed
+    state.imex_service_enabled = enabled and installed and managed_by == "host"
     state.imex_nodes = [f"10.114.{i // 250}.{10 + i % 250}" for i in range(peers + 1)] if enabled else []
 
 
 def configured(state: NodeState) -> bool:
-    return state.imex_service_enabled and bool(state.imex_nodes)
+    """A daemon with a nodes config runs: the host's service, or a ComputeDomain's pod."""
+    return bool(state.imex_nodes)
 
 
 def ctl(state: NodeState, args: list[str]) -> tuple[int, str, str]:
@@ -66,7 +70,8 @@ def _domain(state: NodeState) -> dict:
 
 
 def service(state: NodeState) -> ImexService:
-    return ImexService(state.imex_service_enabled, NODES_CONFIG, len(state.imex_nodes) if configured(state) else 0)
+    return ImexService(state.imex_service_enabled, NODES_CONFIG,
+                       len(state.imex_nodes) if state.imex_service_enabled else 0)
 
 
 class _InProcessCtl:
@@ -114,7 +119,7 @@ def write_imex(state: NodeState, root: Path) -> None:
         (etc / "nvidia-imex").mkdir(parents=True, exist_ok=True)
         (etc / "nvidia-imex" / "config.cfg").write_text(
             f"# fake node {state.name}\nIMEX_CMD_ENABLED=1\nIMEX_CMD_PORT=50005\nIMEX_NODE_CONFIG_FILE={NODES_CONFIG}\n")
-        if state.imex_nodes:
+        if state.imex_nodes and state.imex_service_enabled:
             (root / NODES_CONFIG.lstrip("/")).write_text("".join(f"{a}\n" for a in state.imex_nodes))
     own = state.imex_nodes[0] if state.imex_nodes else "10.0.0.5"
     net = root / "proc" / "net"
@@ -132,7 +137,7 @@ def imex_down(f: FaultArgs, state: NodeState, gpu: FakeGpu | None, node: FakeNod
 
 
 def imex_peers_unreachable(f: FaultArgs, state: NodeState, gpu: FakeGpu | None, node: FakeNode) -> None:
-    peers = len(state.imex_nodes) - 1
+    peers = max(len(state.imex_nodes) - 1, 0)
     count = f.params.get("count", peers)
     if not 0 <= count <= peers:
         raise ValueError(f"fault 'imex_peers_unreachable': count must be 0 to {peers} (the node's IMEX peers), "

@@ -49,6 +49,7 @@ class ImexSpec:
 
     configured: bool = True
     peers: int = 17
+    managed_by: str = "host"             # host (the nvidia-imex unit) or compute_domain (a ComputeDomain's pod)
 
 
 @dataclass(frozen=True)
@@ -89,7 +90,8 @@ class Scenario:
             fabric_cluster_uuid=domain.cluster_uuid if domain else "",
         )
         if self.imex is not None:
-            fake_imex_setup(state, self.imex.peers, installed=True, enabled=self.imex.configured)
+            fake_imex_setup(state, self.imex.peers, installed=True, enabled=self.imex.configured,
+                            managed_by=self.imex.managed_by)
         return FakeNode(state, list(self.faults), clock=clock, **kwargs)
 
 
@@ -152,15 +154,18 @@ def _parse(name: str, top: MappingReader, base: Scenario | None) -> Scenario:
 
 
 def _imex(top: MappingReader, base: Scenario | None) -> ImexSpec | None:
-    """`imex: {configured: true|false, peers: N}` (both optional: configured, 17 peers)."""
+    """`imex: {configured: true|false, peers: N, managed_by: host|compute_domain}` (all optional)."""
     if not top.has("imex"):
         return base.imex if base else None
     r = top.child("imex")
-    r.reject_unknown({"configured", "peers"})
+    r.reject_unknown({"configured", "peers", "managed_by"})
     peers = r.get("peers", int, 17)
     if not 0 <= peers <= 1023:
         raise r.error("peers", f"expected 0 to 1023 peers, got {peers}")
-    return ImexSpec(r.get("configured", bool, True), peers)
+    managed_by = r.get("managed_by", str, "host")
+    if managed_by not in ("host", "compute_domain"):
+        raise r.error("managed_by", f"expected host or compute_domain, got {managed_by!r}")
+    return ImexSpec(r.get("configured", bool, True), peers, managed_by)
 
 
 def _nvlink_domain(top: MappingReader, base: Scenario | None) -> NvlinkDomain | None:

@@ -136,6 +136,16 @@ def nvlink_decode(e: KernelEvent) -> dict[str, Any]:
             **decode_line(e.code, e.message, subcode).fields()}
 
 
+def _nvlink_identity(event: KernelEvent) -> tuple:
+    """Lines of one XID 144-150 on one GPU are one incident only when the catalogue reads them alike: a
+    145 RLW_SRC_TRACK (XID_154_EVAL) right after a 145 RLW_RXPIPE (IGNORE) is a fault of its own. The
+    same decode on other links (a flood over links 00-17) stays one incident."""
+    if event.kind != "xid" or event.code not in NVLINK_UNITS:
+        return ()
+    d = nvlink_decode(event)
+    return d["nvlink_subcode"], d["xid_decoded"], d["nvlink_resolution"], d["error_status"]
+
+
 @dataclass
 class _Last:
     """The latest line seen for a key or a GPU, across runs."""
@@ -190,7 +200,8 @@ class IncidentTracker:
             folded = self._fold_detail(event, boot, when)
             if folded is not None:
                 return folded
-        key = (event.kind, event.code, event.pci_bus_id, event.fatal, event.recovery_action, boot, event.detail)
+        key = (event.kind, event.code, event.pci_bus_id, event.fatal, event.recovery_action, boot, event.detail,
+               _nvlink_identity(event))
         last = self._by_key.get(key) if not event.detail else None     # an orphan detail line stands alone
         same = last is not None and _close(last.time, when, self.gap_s) and last.incident.same_fault(event)
         if same and last is not None and last.run == self.run:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from functools import lru_cache
 
 from detector.checks.xid.nvlink5_table import GUIDANCE, ROWS, NvlinkRow
 
@@ -87,8 +88,9 @@ def registers(message: str) -> tuple[int | None, int | None]:
     return int(m.group(1), 16), (int(m.group(2), 16) if m.group(2) else None)
 
 
+@lru_cache(maxsize=1024)
 def decode_line(xid: int, message: str, word: str = "") -> Nvlink5Decode:
-    """Decode a 144-150 line's message (after the code and any pid/name); `word`: the unit it names."""
+    """(Cached: a flood repeats one message.) Decode a 144-150 line's message (after the code and any pid/name); `word`: the unit it names."""
     intrinfo, status = registers(message)
     return decode(xid, intrinfo, status, word)
 

@@ -84,3 +84,33 @@ def test_the_fleet_names_node_5_gpu_1_as_the_origin_of_the_racks_fault_within_a_
     labels = {n["metadata"]["name"]: n["metadata"]["labels"].get(CLIQUE_LABEL) for n in emulator.nodes()}
     assert set(labels.values()) == {f"{domain.cluster_uuid}.{domain.clique_id}"}, labels
     assert took < 60
+
+
+def remediation_asks(emulator) -> dict[str, tuple[str, str]]:
+    return {n["metadata"]["name"]: next(((c["status"], c["message"]) for c in n["status"].get("conditions", [])
+                                         if c["type"] == "GpuNodeNeedsRemediation"), ("", ""))
+            for n in emulator.nodes()}
+
+
+def test_only_the_origin_tray_asks_for_remediation_the_downstream_trays_hold(rack):
+    emulator, _ = rack
+    deadline, asks = time.monotonic() + 60, {}
+    while time.monotonic() < deadline:
+        asks = remediation_asks(emulator)
+        if asks["gb200-05"][0] == "True" and all(status == "False" for name, (status, _) in asks.items()
+                                                 if name != "gb200-05") and len(asks) == 18:
+            break
+        time.sleep(0.5)
+    else:
+        pytest.fail(f"asks: {asks}")
+    message = asks["gb200-05"][1]
+    assert "this node holds the likely origin of a fault in its NVLink domain: GPU 1 (XID 149" in message, message
+    assert "link 14)" in message and "remediate this tray, not the rack" in message
+    # The others hold, their GPUs fenced; why they ask for nothing yet is an Event on each.
+    deadline, held = time.monotonic() + 30, set()
+    while time.monotonic() < deadline and len(held) < 17:
+        held = {e["involvedObject"]["name"] for e in emulator.events() if e.get("reason") == "DownstreamLinkFault"}
+        time.sleep(0.5)
+    assert held == {f"gb200-{i:02d}" for i in range(18)} - {"gb200-05"}
+    event = next(e for e in emulator.events() if e.get("reason") == "DownstreamLinkFault")
+    assert "only with the downstream XID 145" in event["message"] and "gpu-npd fleet names" in event["message"]

@@ -103,9 +103,13 @@ class UnhealthyGpu:
     link_xid: LinkXid | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"index": self.index, "pciBusId": self.pci_bus_id, "uuid": self.uuid, "serial": self.serial,
-                "state": self.state, "action": self.action, "since": self.since, "clique": self.clique,
-                "linkXid": link_xid_dict(self.link_xid) if self.link_xid is not None else None}
+        out = {"index": self.index, "pciBusId": self.pci_bus_id, "uuid": self.uuid, "serial": self.serial,
+               "state": self.state, "action": self.action, "since": self.since}
+        if self.clique:                  # only GPUs in a multi-node NVLink domain have these
+            out["clique"] = self.clique
+        if self.link_xid is not None:
+            out["linkXid"] = link_xid_dict(self.link_xid)
+        return out
 
 
 def read_unhealthy_gpus(value: str | None) -> list[UnhealthyGpu]:

@@ -29,7 +29,7 @@ import math
 import random
 import re
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -70,8 +70,8 @@ class NodeGroup:
     racks: int | None
     gpus: int                        # GPUs per node of this scenario
     nvlink_domain: str | None = None   # the multi-node NVLink domain its nodes share, by name
-    pci_bus_ids: tuple[str, ...] = ()  # its GPUs' bus ids, in index order
-    nvlinks: int = 0                 # NVLinks per GPU of its model
+    pci_bus_ids: tuple[str, ...] = field(default=(), compare=False)   # its GPUs' bus ids (the scenario's)
+    nvlinks: int = field(default=0, compare=False)                    # NVLinks per GPU of its model
 
 
 @dataclass(frozen=True)

@@ -155,3 +155,44 @@ def test_the_node_clique_is_given_only_when_every_gpu_with_a_fabric_agrees():
     assert facts.node_clique() == f"{CLUSTER}.1" and "0018:01:00.0" not in facts.cliques
     facts.observe([fabric("0019:01:00.0", str(uuid.UUID(int=7)), 1)], "b1")
     assert facts.node_clique() == ""
+
+
+# -- the node's own remediation ask (checks/node/check.py) ---------------------------------------------
+
+from detector.checks.node.check import domain_fields  # noqa: E402
+from detector.core.gpu_health import GpuHealth  # noqa: E402
+
+
+def tray(links: dict[int, LinkXid | None], reasons: tuple[str, ...] = ("XidNvlinkUnitErrorFatal",)) -> list[GpuHealth]:
+    return [GpuHealth(GpuRef(i, None, f"00{i}8:01:00.0"), "failed", "RESET_GPU", reasons, clique=f"{CLUSTER}.1",
+                      link_xid=links.get(i)) for i in range(4)]
+
+
+def test_a_tray_with_the_149_says_it_holds_the_origin_and_does_not_hold_its_ask():
+    gpus = tray({0: xid(145, True), 1: xid(149, True, 14, decoded="149.37"), 2: xid(145, True), 3: xid(145, True)})
+    f = domain_fields(gpus, gpus, T0 + 60, 1800)
+    assert (f["downstream_only"], f["downstream_hold"], f["link_origin"]) == (False, False, "GPU 1 XID 149.37 link 14")
+    assert f["domain_note"] == (f"; domain {CLUSTER}/1: this node holds the likely origin of a fault in its NVLink "
+                                "domain: GPU 1 (XID 149.37 link 14); remediate this tray, not the rack")
+
+
+def test_a_tray_with_only_145s_holds_its_ask_for_the_hold_then_asks():
+    gpus = tray({i: xid(145, True, 13, T0) for i in range(4)})
+    assert domain_fields(gpus, gpus, T0 + 60, 1800)["downstream_hold"] is True
+    late = domain_fields(gpus, gpus, T0 + 1801, 1800)
+    assert late["downstream_only"] is True and late["downstream_hold"] is False
+    assert "shows only the downstream XID 145 (GPU 0, 1, 2, 3)" in late["domain_note"]
+    assert domain_fields(gpus, gpus, T0 + 60, 0)["downstream_hold"] is False       # the hold switched off
+
+
+def test_no_hold_when_a_gpu_failed_for_anything_else_or_the_node_is_in_no_domain():
+    gpus = tray({i: xid(145, True) for i in range(4)})
+    gpus[2] = GpuHealth(gpus[2].gpu, "failed", "RESTART_BM", ("Xid79GpuFellOffBus",), clique=f"{CLUSTER}.1")
+    assert domain_fields(gpus, gpus, T0 + 60, 1800)["downstream_only"] is False
+    both = tray({i: xid(145, True) for i in range(4)}, ("XidNvlinkUnitErrorFatal", "Xid145RecurringAfterReboot"))
+    assert domain_fields(both, both, T0 + 60, 1800)["downstream_only"] is False
+    alone = [GpuHealth(h.gpu, h.state, h.action, h.reasons, link_xid=h.link_xid) for h in tray({i: xid(145, True)
+                                                                                                for i in range(4)})]
+    f = domain_fields(alone, alone, T0 + 60, 1800)
+    assert f == {"nvlink_domain": "", "link_origin": "", "downstream_only": False, "downstream_hold": False,
+                 "domain_note": ""}

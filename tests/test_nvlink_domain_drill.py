@@ -84,6 +84,11 @@ def test_the_fleet_names_node_5_gpu_1_as_the_origin_of_the_racks_fault_within_a_
     labels = {n["metadata"]["name"]: n["metadata"]["labels"].get(CLIQUE_LABEL) for n in emulator.nodes()}
     assert set(labels.values()) == {f"{domain.cluster_uuid}.{domain.clique_id}"}, labels
     assert took < 60
+    assert main(["fleet", "--kubeconfig", str(viewer)]) == 1
+    table = capsys.readouterr().out.splitlines()
+    head = next(i for i, line in enumerate(table) if line.startswith("NVLINK DOMAIN"))
+    row = table[head + 1].split()
+    assert row[:5] == [f"{domain.cluster_uuid}/1", "18", "72", "gb200-05", "GPU"] and row[5] == "1", table[head + 1]
 
 
 def remediation_asks(emulator) -> dict[str, tuple[str, str]]:

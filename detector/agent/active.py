@@ -118,6 +118,23 @@ class ConditionStatus:
     names_gpu: bool = False               # a problem behind it names a GPU (not the node as a whole)
 
 
+def accumulated(held: Problem, new: Problem) -> Problem:
+    """A rule held until a reboot (or a ttl, or an operator) that fires again on other GPUs keeps naming the
+    GPUs it named: a run of the xid check reports only the lines it read, so a 149 on GPU 1 and, a second
+    later, a 145 on GPUs 0, 2 and 3 are two runs of one rule, and the node has all four. The latest
+    problem leads; the GPUs only the held one named follow, with its findings."""
+    if held.rule != new.rule:
+        return new
+    missing = tuple(g for g in held.gpus if g not in new.gpus)
+    if not missing:
+        return new
+    body, said = finding_of(new.message)
+    old_body, _ = finding_of(held.message)
+    message = compose_message([body, old_body], new.action if said else "NONE")
+    return Problem(new.rule, new.check, new.type, new.reason, message, new.severity, new.action, new.report,
+                   (*new.gpus, *missing), new.time, new.occurrences)
+
+
 class ActiveProblems:
     def __init__(self, rules: Iterable[Rule], verify: Callable[[Problem], bool] = lambda p: False):
         """`verify`: which problems, once cured, stay held until the cure is verified (`advance`)."""
@@ -135,6 +152,10 @@ class ActiveProblems:
             key = (p.rule, check)
             fired.add(key)
             held = self.latches.get(key)
+            rule = self.rules.get(p.rule)
+            if held is not None and held.verifying is None and held.boot == boot and rule is not None \
+                    and rule.recovery != "observation":
+                p = accumulated(held.problem, p)
             self.latches[key] = Latch(p, boot, held.first if held else now, now)
         for key in [k for k in self.latches if k[1] == check and k not in fired]:
             rule = self.rules.get(key[0])

@@ -26,6 +26,7 @@ from detector.core.gpu_health import APPLICATION_ACTIONS, GpuHealth, carry_since
 from detector.core.inventory import Inventory
 from detector.core.nodecheck import NodeCheck, NodeView, judge_node
 from detector.core.nodestatus import MAINTENANCE_ANNOTATION, MAINTENANCE_CONDITIONS
+from detector.core.nvlink_domain import DomainFacts
 from detector.core.sweep import CheckRun, Host, SweepResult, run_sweep
 from detector.core.types import GpuRef, Problem, Severity
 from detector.rules.engine import RuleEngine
@@ -111,6 +112,7 @@ class NodeAgent:
         self._serials: dict[str, str] = {}         # gpu_key -> serial, for histories kept by serial
         self._incidents: dict[str, int] = {}       # gpu_key -> incidents, from the node check
         self._health: dict[str, GpuHealth] = {}    # gpu_key -> the GPU as last judged: its state's since
+        self._domain = DomainFacts()               # each GPU's NVLink clique and link-level XID (fabric, xid)
         self._lock = threading.Lock()          # the schedule
         self._judging = threading.Lock()       # what runs concluded: held problems, sinks
         self.warnings: list[str] = []
@@ -190,6 +192,8 @@ class NodeAgent:
         changed = self.active.expire(now, boot) | self._take_clear_request()
         problems: list[Problem] = []
         for run in result.runs:
+            if not over:
+                self._domain.observe(run.observations, boot)
             found = self.engine.evaluate(_observations(run))
             problems.extend(found)
             if not over:
@@ -248,8 +252,11 @@ class NodeAgent:
             live = {gpu_key(h.gpu): h.state for h in
                     gpu_health(self._known_gpus.values(), (l.problem for l in latches if not l.verifying))}
             health = [replace(h, verifying=live.get(gpu_key(h.gpu)) != h.state) for h in health]
+        cliques, links = self._domain.cliques, self._domain.link_xids
         health = carry_since([replace(h, incidents=self._incidents.get(gpu_key(h.gpu), 0),
-                                      serial=self._serials.get(gpu_key(h.gpu), "")) for h in health], self._health)
+                                      serial=self._serials.get(gpu_key(h.gpu), ""),
+                                      clique=cliques.get(gpu_key(h.gpu), ""), link_xid=links.get(gpu_key(h.gpu)))
+                              for h in health], self._health)
         self._health = {gpu_key(h.gpu): h for h in health}
         return health
 

@@ -13,8 +13,10 @@ import json
 import sys
 from typing import Any, Sequence
 
+from detector.core.domain_origin import DomainGpu, DomainVerdict
 from detector.kube.api import ApiError
 from detector.kube.fleet_view import PAGE_SIZE, STALE_AFTER_S, FleetView
+from detector.kube.stamps import rfc3339
 
 EXIT_NOTHING_WRONG, EXIT_PROBLEMS, EXIT_USAGE, EXIT_API = 0, 1, 2, 3
 EXIT_CODES = ("exit code: 0 nothing is wrong, 1 a node is listed (an unhealthy GPU, a gpu-npd condition True, "
@@ -99,7 +101,7 @@ def cmd_fleet(args: argparse.Namespace) -> int:
     if args.output == "json":
         print(json.dumps(fleet_json(view, args.stale_after), indent=2))
     else:
-        print(render_fleet(view))
+        print(render_fleet(view, keep_all=args.all))
     if view.malformed:
         print(_clip(f"gpu-npd: {view.malformed} node{'s' if view.malformed != 1 else ''} had a malformed shape "
                     f"and {'were' if view.malformed != 1 else 'was'} skipped; first: {view.first_malformed}",
@@ -129,10 +131,25 @@ FLEET_RBAC_HINT = ("deploy/fleet-viewer does (get and list nodes, read-only): bi
 def fleet_json(view: FleetView, stale_after_s: float) -> dict[str, Any]:
     return {"summary": view.summary(), "nothingWrong": view.nothing_wrong, "staleAfterSeconds": stale_after_s,
             "nodes": [n.to_dict() for n in view.nodes],
+            "domains": [domain_json(d) for d in view.domains()],
             "malformed": {"nodes": view.malformed, "first": view.first_malformed or None}}
 
 
-def render_fleet(view: FleetView) -> str:
+def domain_json(d: DomainVerdict) -> dict[str, Any]:
+    """One NVLink domain: its nodes, its affected GPUs, and where its fault most likely started (`origin`
+    null when no single GPU can be named: `verdict` says why)."""
+    def gpu(g: DomainGpu) -> dict[str, Any]:
+        x = g.link_xid
+        return {"node": g.node, "gpu": g.gpu, "pciBusId": g.pci_bus_id, "xid": x.decoded if x else None,
+                "fatal": x.fatal if x else None, "link": x.link if x else None,
+                "time": rfc3339(x.time) if x and x.time is not None else None}
+    return {"cluster_uuid": d.cluster_uuid, "clique_id": d.clique_id, "nodes": list(d.nodes),
+            "gpus_affected": len(d.affected), "origin": gpu(d.origin) if d.origin else None,
+            "verdict": d.verdict, "explanation": d.explain(), "candidates": [gpu(c) for c in d.candidates],
+            "downstream_only": d.downstream_only}
+
+
+def render_fleet(view: FleetView, keep_all: bool = False) -> str:
     """One row per unhealthy GPU, per gpu-npd condition True and per node not reporting (a healthy node
     listed with --all has one row of its own), then the summary line."""
     from detector.cli.render import columns
@@ -156,6 +173,13 @@ def render_fleet(view: FleetView) -> str:
             rows.append((node.name, "-", "-", "-", "-", "healthy", "-", "-", *tail))
     rows = [tuple(_clip(cell, CELL_MAX) for cell in row[:-1]) + row[-1:] for row in rows]
     lines = columns(rows) if len(rows) > 1 else []
+    domains = [d for d in view.domains() if d.affected or keep_all]
+    if domains:
+        lines.append("")
+        lines.extend(columns([("NVLINK DOMAIN", "NODES", "GPUS AFFECTED", "ORIGIN", "EVIDENCE")] + [
+            (f"{d.cluster_uuid}/{d.clique_id}", str(len(d.nodes)), str(len(d.affected)),
+             d.origin.label() if d.origin else {"several": "several", "none": "none"}.get(d.verdict, "-"),
+             _clip(d.explain(), 4 * CELL_MAX)) for d in domains]))
     lines.append(summary_line(view))
     return "\n".join(lines)
 

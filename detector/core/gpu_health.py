@@ -14,9 +14,12 @@ state holds (`carry_since`), so it names the start of an outage and moves only w
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Iterable, Mapping
+from typing import TYPE_CHECKING, Iterable, Mapping
 
 from detector.core.types import GpuRef, Problem, Severity, action_strength
+
+if TYPE_CHECKING:
+    from detector.core.nvlink_domain import LinkXid
 
 HEALTHY, DEGRADED, FAILED = "healthy", "degraded", "failed"
 STATE_VALUE = {HEALTHY: 0, DEGRADED: 1, FAILED: 2}
@@ -35,6 +38,8 @@ class GpuHealth:
                                      # but no reason to remediate the node again (the cure already happened)
     serial: str = ""                 # the board's serial where known: what an RMA ticket names
     since: float | None = None       # when it entered this state (unhealthy GPUs whose problems' start is known)
+    clique: str = ""                 # its multi-node NVLink domain, `<cluster UUID>.<clique ID>` ("" none)
+    link_xid: "LinkXid | None" = None   # its weightiest link-level XID of this boot (nvlink_domain.py)
 
 
 def gpu_key(ref: GpuRef) -> str:

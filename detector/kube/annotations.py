@@ -9,6 +9,16 @@ when every GPU is healthy. It rides in the same status PATCH as the node's condi
 `since` is when the GPU entered its state, to the second, and moves only when the state does, so the
 value changes only when a GPU's state, action or identity does: no PATCH per sweep. `serial` and `since`
 came later than the other keys: readers (`gpu-npd fleet`, `read_unhealthy_gpus`) take values without them.
+
+A GPU in a multi-node NVLink domain (GB200/GB300 NVL72) also carries what `gpu-npd fleet` needs to find
+where a domain-wide fault started (core/domain_origin.py), and no more (the Node object is read by
+everything that lists nodes):
+
+    "clique":"6f1c2b4e-8d3a-4c59-9e27-0b5d7a1f3c88.1",
+    "linkXid":{"xid":"149.37","code":149,"fatal":true,"link":14,"at":"2026-09-10T08:08:46Z"}
+
+`clique` is the DRA driver's `nvidia.com/gpu.clique` text; `linkXid` the GPU's weightiest link-level XID
+of this boot (an origin-class one over the downstream 145), about 90 characters.
 """
 
 from __future__ import annotations
@@ -19,7 +29,8 @@ from typing import Any, Iterable
 
 from detector.core.domain import key
 from detector.core.gpu_health import HEALTHY, GpuHealth
-from detector.kube.stamps import rfc3339
+from detector.core.nvlink_domain import LinkXid, parse_clique
+from detector.kube.stamps import parse_rfc3339, rfc3339
 
 UNHEALTHY_GPUS = key("unhealthy-gpus")
 # gpu-npd writes about 180 characters a GPU: 64 GPUs fit in 12 KiB. A longer value was planted (any pod
@@ -36,10 +47,10 @@ def unhealthy_gpus_annotation(health: Iterable[GpuHealth], before: str | None = 
     if not bad:
         return None
     try:
-        known = [g for g in read_unhealthy_gpus(before) if g.serial]
+        known = read_unhealthy_gpus(before)
     except ValueError:
         known = []
-    return json.dumps([_entry(h, _serial(h, known)) for h in bad], separators=(",", ":"))
+    return json.dumps([_entry(h, _serial(h, known), h.link_xid) for h in bad], separators=(",", ":"))
 
 
 def _serial(h: GpuHealth, known: list["UnhealthyGpu"]) -> str:
@@ -47,14 +58,33 @@ def _serial(h: GpuHealth, known: list["UnhealthyGpu"]) -> str:
     have one)."""
     if h.serial or not h.gpu.pci_bus_id:
         return h.serial
-    return next((g.serial or "" for g in known if g.pci_bus_id == h.gpu.pci_bus_id
+    return next((g.serial for g in known if g.serial and g.pci_bus_id == h.gpu.pci_bus_id
                  and (not g.uuid or not h.gpu.uuid or g.uuid == h.gpu.uuid)), "")
 
 
-def _entry(h: GpuHealth, serial: str) -> dict[str, Any]:
+def _entry(h: GpuHealth, serial: str, link: LinkXid | None) -> dict[str, Any]:
     fields = {"index": h.gpu.index, "pciBusId": h.gpu.pci_bus_id, "uuid": h.gpu.uuid, "serial": serial,
-              "state": h.state, "action": h.action, "since": rfc3339(h.since) if h.since is not None else None}
+              "state": h.state, "action": h.action, "since": rfc3339(h.since) if h.since is not None else None,
+              "clique": h.clique, "linkXid": link_xid_dict(link) if link is not None else None}
     return {k: v for k, v in fields.items() if v not in (None, "")}      # an unknown id is left out
+
+
+def link_xid_dict(x: LinkXid) -> dict[str, Any]:
+    fields = {"xid": x.decoded, "code": x.code, "fatal": x.fatal, "link": x.link,
+              "at": rfc3339(x.time) if x.time is not None else None}
+    return {k: v for k, v in fields.items() if v is not None}
+
+
+def link_xid_of_dict(value: Any) -> LinkXid | None:
+    """A `linkXid` as read back; None when it is missing or not what gpu-npd writes."""
+    if not isinstance(value, dict):
+        return None
+    code, decoded, fatal, link, at = (value.get(k) for k in ("code", "xid", "fatal", "link", "at"))
+    if type(code) is not int or not 0 < code < 1000:
+        return None
+    return LinkXid(code, decoded[:16] if isinstance(decoded, str) and decoded else str(code),
+                   fatal if isinstance(fatal, bool) else None, link if type(link) is int and 0 <= link < 1024 else None,
+                   parse_rfc3339(at) if isinstance(at, str) and len(at) <= 40 else None)
 
 
 @dataclass(frozen=True)
@@ -69,10 +99,17 @@ class UnhealthyGpu:
     state: str
     action: str | None
     since: str | None           # RFC 3339, as written
+    clique: str | None = None   # `<cluster UUID>.<clique ID>`, canonical; None when absent or not one
+    link_xid: LinkXid | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"index": self.index, "pciBusId": self.pci_bus_id, "uuid": self.uuid, "serial": self.serial,
-                "state": self.state, "action": self.action, "since": self.since}
+        out = {"index": self.index, "pciBusId": self.pci_bus_id, "uuid": self.uuid, "serial": self.serial,
+               "state": self.state, "action": self.action, "since": self.since}
+        if self.clique:                  # only GPUs in a multi-node NVLink domain have these
+            out["clique"] = self.clique
+        if self.link_xid is not None:
+            out["linkXid"] = link_xid_dict(self.link_xid)
+        return out
 
 
 def read_unhealthy_gpus(value: str | None) -> list[UnhealthyGpu]:
@@ -92,8 +129,20 @@ def read_unhealthy_gpus(value: str | None) -> list[UnhealthyGpu]:
     if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
         raise ValueError(f"{UNHEALTHY_GPUS} is not a JSON list of objects")
     return [UnhealthyGpu(_int(e.get("index")), _str(e.get("pciBusId")), _str(e.get("uuid")), _str(e.get("serial")),
-                         _str(e.get("state")) or "unknown", _str(e.get("action")), _str(e.get("since")))
+                         _str(e.get("state")) or "unknown", _str(e.get("action")), _str(e.get("since")),
+                         _clique(e.get("clique")), link_xid_of_dict(e.get("linkXid")))
             for e in entries]
+
+
+def _clique(value: Any) -> str | None:
+    """The clique text in canonical form; None when missing or not `<UUID>.<clique ID>`."""
+    if not isinstance(value, str) or len(value) > 64:
+        return None
+    try:
+        cluster, clique = parse_clique(value)
+    except ValueError:
+        return None
+    return f"{cluster}.{clique}"
 
 
 def _str(value: Any) -> str | None:

@@ -12,6 +12,9 @@
 - One node annotation of gpu-npd's own (annotations.py) rides in the same PATCH (the status subresource
   takes metadata.annotations for Nodes): sent only when its value differs from what the node has (read
   on start) or was last sent, so a heartbeat never carries it; removed with null only if it is there.
+- The node label `nvidia.com/gpu.clique` (the node's multi-node NVLink domain, as NVIDIA's DRA driver and
+  GPU feature discovery write it) rides in the same PATCH, only when the node had none when read on start:
+  a label they set is theirs, reused and never overwritten, changed or removed.
 - A GPU note (`note_gpus`: why an unhealthy GPU is not fenced, say no ResourceSlice for DRA device
   taints) ends the message of every true condition whose problems name a GPU, while it holds.
 """
@@ -24,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 from detector.agent.active import ConditionStatus
+from detector.core.nvlink_domain import CLIQUE_LABEL
 from detector.kube.annotations import UNHEALTHY_GPUS
 from detector.kube.api import ApiError, KubeApi
 from detector.kube.shapes import obj, objects, text
@@ -61,6 +65,9 @@ class ConditionReporter:
         self._annotation: object = _UNJUDGED    # the value wanted: a string, None (absent) or _UNJUDGED
         self._annotation_sent: str | None = None   # on the node, as read on start or last sent
         self._annotation_written = False
+        self._adopted = False                   # the node was read: its labels are known
+        self._clique_on_node: str | None = None    # the clique label as read on start or last sent
+        self._clique: str = ""                  # the value wanted ("": none to write)
         self._retry_at = 0.0
         self._heartbeat_at: float | None = None
         self.last_error: ApiError | None = None
@@ -75,6 +82,10 @@ class ConditionReporter:
             if not self._annotation_written:
                 value = obj(obj(node_object.get("metadata")).get("annotations")).get(self.annotation_key)
                 self._annotation_sent = value if isinstance(value, str) else None
+            label = obj(obj(node_object.get("metadata")).get("labels")).get(CLIQUE_LABEL)
+            if not self._adopted:
+                self._clique_on_node = label if isinstance(label, str) else None
+            self._adopted = True
             for c in objects(obj(node_object.get("status")).get("conditions")):
                 t, message = text(c.get("type")), text(c.get("message"))
                 if t in self.owned:
@@ -99,6 +110,15 @@ class ConditionReporter:
             changed, self._annotation = value != self._annotation, value
             return changed
 
+    def clique(self, value: str) -> bool:
+        """The node's clique label value ("" none); True when it is to be written (the node has none)."""
+        with self._lock:
+            self._clique = value
+            return self._clique_due()
+
+    def _clique_due(self) -> bool:
+        return self._adopted and bool(self._clique) and self._clique_on_node is None
+
     def note_gpus(self, note: str) -> bool:
         """A note for the conditions that name a GPU ("" for none); True when something must be sent."""
         with self._lock:
@@ -122,7 +142,7 @@ class ConditionReporter:
 
     def due_at(self) -> float | None:
         with self._lock:
-            if self._dirty or self._annotation_due():
+            if self._dirty or self._annotation_due() or self._clique_due():
                 return self._retry_at
             return self._heartbeat_at if self._desired else None
 
@@ -131,7 +151,7 @@ class ConditionReporter:
         backoff, or after `backoff.refused_s` when it refused (a missing permission, no such node)."""
         now = self.clock()
         with self._lock:
-            annotation = self._annotation_due()
+            annotation = self._annotation_due() or self._clique_due()
             due = self._dirty or annotation or (self._heartbeat_at is not None and now >= self._heartbeat_at)
             if not due or now < self._retry_at or not (self._desired or self._stale or annotation):
                 return True
@@ -152,9 +172,12 @@ class ConditionReporter:
             self._sent.update(sent)
             self._stale -= {c["type"] for c in body.get("status", {}).get("conditions", [])
                             if c.get("$patch") == "delete"}
-            if "metadata" in body:
-                self._annotation_sent = body["metadata"]["annotations"][self.annotation_key]
+            meta = body.get("metadata", {})
+            if "annotations" in meta:
+                self._annotation_sent = meta["annotations"][self.annotation_key]
                 self._annotation_written = True
+            if "labels" in meta:
+                self._clique_on_node = meta["labels"][CLIQUE_LABEL]
             self._dirty = self._dirty or any(self._differs(t, s) for t, s in self._desired.items())
             self._heartbeat_at = now + jittered(self.heartbeat_s, self.jitter, self.rng)
         return True
@@ -174,6 +197,8 @@ class ConditionReporter:
         body: dict[str, Any] = {"status": {"conditions": conditions}} if conditions else {}
         if self._annotation_due():
             body["metadata"] = {"annotations": {self.annotation_key: self._annotation}}
+        if self._clique_due():
+            body.setdefault("metadata", {})["labels"] = {CLIQUE_LABEL: self._clique}
         return body, sent
 
     def snapshot(self) -> dict[str, tuple[str, str]]:

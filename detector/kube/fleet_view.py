@@ -6,7 +6,11 @@ True, or a gpu-npd that stopped reporting. It reads what the daemons already wri
 - gpu-npd's own conditions (types its rules produce, messages starting with conditions.MARKER): True
   ones are problems, and their lastHeartbeatTime says when the daemon last reported (every 300 s);
 - the node's readiness: its Ready condition, cordon (spec.unschedulable) and taints, the Node Readiness
-  Controller's `readiness.k8s.io/*` among them.
+  Controller's `readiness.k8s.io/*` among them;
+- its multi-node NVLink domain: the label `nvidia.com/gpu.clique` (`<cluster UUID>.<clique ID>`, written by
+  NVIDIA's DRA driver, GPU feature discovery or gpu-npd), else the clique its annotation's GPUs carry. Nodes
+  are grouped by domain, and a domain with problems is judged as one (core/domain_origin.py): which GPU
+  the fault most likely started on.
 
 One LIST of nodes, in pages (`limit`/`continue`), each page reduced to the few facts above before the next
 is read: memory stays one page of node objects however large the fleet. No printing here (cli/fleet.py).
@@ -26,7 +30,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 
+from detector.core.domain_origin import DomainGpu, DomainVerdict, judge_domain
 from detector.core.gpu_health import DEGRADED, FAILED
+from detector.core.nvlink_domain import CLIQUE_LABEL, parse_clique
 from detector.kube.annotations import MAX_VALUE, UNHEALTHY_GPUS, UnhealthyGpu, read_unhealthy_gpus
 from detector.kube.api import ApiError, KubeApi
 from detector.kube.conditions import MARKER
@@ -115,6 +121,7 @@ class FleetNode:
     annotation_error: str = ""    # the annotation is there but unreadable
     verifying: str = ""           # gpu-npd has not run every check in this boot yet (the condition's message)
     more_conditions: int = 0      # True gpu-npd conditions past MAX_CONDITIONS, not kept
+    clique: str = ""              # its NVLink domain, `<cluster UUID>.<clique ID>` ("" none)
 
     @property
     def failed(self) -> int:
@@ -147,7 +154,7 @@ class FleetNode:
                 "unhealthyGpus": [g.to_dict() for g in self.unhealthy],
                 "conditions": [c.to_dict() for c in self.conditions],
                 "annotationError": self.annotation_error or None, "verifying": self.verifying or None,
-                "moreConditions": self.more_conditions}
+                "moreConditions": self.more_conditions, "clique": self.clique or None}
 
 
 @dataclass
@@ -163,6 +170,14 @@ class FleetView:
     pages: int = 0
     malformed: int = 0            # node objects of the wrong shape, skipped (counted in listed)
     first_malformed: str = ""     # what was wrong with the first of them, and where
+    # NVLink domain (cluster UUID, clique ID) -> its nodes and the GPUs of them that are unhealthy
+    domain_nodes: dict[tuple[str, int], list[str]] = field(default_factory=dict)
+    domain_gpus: dict[tuple[str, int], list[DomainGpu]] = field(default_factory=dict)
+
+    def domains(self) -> list[DomainVerdict]:
+        """Every NVLink domain seen, judged; sorted by cluster UUID and clique."""
+        return [judge_domain(k[0], k[1], nodes, self.domain_gpus.get(k, []))
+                for k, nodes in sorted(self.domain_nodes.items())]
 
     @property
     def nothing_wrong(self) -> bool:
@@ -188,6 +203,12 @@ class FleetView:
         self.with_problems += node.has_problems
         if node.has_problems or keep_all:
             self.nodes.append(node)
+        if node.clique:
+            domain = parse_clique(node.clique)
+            self.domain_nodes.setdefault(domain, []).append(node.name)
+            gpus = self.domain_gpus.setdefault(domain, [])
+            gpus.extend(DomainGpu(node.name, g.index, g.pci_bus_id, g.link_xid) for g in node.unhealthy
+                        if g.clique in (None, node.clique))
 
 
 def read_fleet(api: KubeApi, owned_types: Iterable[str] = (), label_selector: str = "",
@@ -300,6 +321,7 @@ def fleet_node(node: Any, owned_types: frozenset[str], now: float, stale_after_s
     if unschedulable is not None and type(unschedulable) is not bool:
         raise Malformed(f"{where}spec.unschedulable is {_kind(unschedulable)}, not true or false")
     taints = [_obj(t, where, "a taint") for t in _list(spec.get("taints"), where, "spec.taints")]
+    label = _str(labels, CLIQUE_LABEL, where, "label ")
     return FleetNode(
         name=name, ready=ready or "", unschedulable=bool(unschedulable),
         taints=tuple(Taint(_text(t, "key", where, "a taint's "), _text(t, "value", where, "a taint's "),
@@ -313,7 +335,21 @@ def fleet_node(node: Any, owned_types: frozenset[str], now: float, stale_after_s
         last_heartbeat=last[1] if last else None, reporting=last is not None and now - last[0] <= stale_after_s,
         annotation_error=error, more_conditions=max(0, len(true) - MAX_CONDITIONS),
         verifying=_clip("; ".join(_text(c, "message", where, limit=MESSAGE_MAX) for c in verifying[:MAX_CONDITIONS]),
-                        MESSAGE_MAX))
+                        MESSAGE_MAX),
+        clique=_clique(label, unhealthy))
+
+
+def _clique(label: str, unhealthy: tuple[UnhealthyGpu, ...]) -> str:
+    """The node's NVLink domain in canonical form: its clique label, else the one clique its annotation's
+    GPUs carry; "" when neither says one (a label that is not `<UUID>.<clique ID>` says none)."""
+    if label:
+        try:
+            cluster, clique = parse_clique(label)
+            return f"{cluster}.{clique}"
+        except ValueError:
+            return ""
+    cliques = {g.clique for g in unhealthy if g.clique}
+    return next(iter(cliques)) if len(cliques) == 1 else ""
 
 
 def read_annotation(value: str | None) -> tuple[tuple[UnhealthyGpu, ...], str]:

@@ -143,7 +143,9 @@ class KubeReporter(AgentSink):
     def gpus(self, health: list[GpuHealth]) -> None:
         """The node's unhealthy GPUs as an annotation, written with the next status PATCH if it changed."""
         self._health = health
-        if self.condition_out.annotate(unhealthy_gpus_annotation(health, self.condition_out.annotation_on_node())):
+        changed = self.condition_out.annotate(unhealthy_gpus_annotation(health, self.condition_out.annotation_on_node()))
+        cliques = {h.clique for h in health if h.clique}
+        if self.condition_out.clique(next(iter(cliques)) if len(cliques) == 1 else "") or changed:
             self._pending()
 
     def note_gpus(self, note: str) -> None:

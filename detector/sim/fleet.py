@@ -187,7 +187,7 @@ class Fleet:
         specs, adopted = self._bind_nodes(progress)
         scenarios = {s: load_scenario(s) for s in {spec.scenario for spec in specs}}
         for i, spec in enumerate(specs):
-            fake = scenarios[spec.scenario].build(spec.name)
+            fake = scenarios[spec.scenario].build(spec.name, nvlink_domain=spec.domain())
             if self.settings.create_nodes:
                 self._create(spec, fake)
             self.nodes[spec.name] = self._build(spec, fake)

@@ -14,6 +14,12 @@ fraction) are resolved here too; only the timing of random faults is left to the
       - {at: 60, node: gpu-h100-0017, kind: xid, gpu: 3, code: 79}
       - {at: 5m, rack: rack-02, kind: pcie, gpu: all, width: 8}
       - {random: {rate: 0.01}, kind: xid, gpu: random, code: 79}
+
+A group with `nvlink_domain: NAME` puts its nodes in one multi-node NVLink domain (a GB200 NVL72 rack: one
+cluster UUID, derived from NAME, and clique 1); groups naming the same domain share it. The fault kind
+`nvlink_domain_fault` (`at`, `node`, `gpu`, `link`) plays a rack-wide NVLink fault as it happened on a real
+rack (marin-community/marin #9086): that GPU logs XID 149 NETIR_LINK_DOWN Fatal on that link, and every
+other GPU of the domain the downstream XID 145 shortly after (sim/domain_fault.py).
 """
 
 from __future__ import annotations
@@ -23,13 +29,15 @@ import math
 import random
 import re
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from detector.yamlsource import MappingReader, SourceError, load_yaml
+from detector.sim.domain_fault import DOMAIN_FAULT, DOMAIN_FAULT_FIELDS, DOWNSTREAM_DELAY_S, xid145_line, xid149_line
 from fake_nvml.faults import FAULT_KINDS, Fault
-from fake_nvml.scenario import Scenario, bundled_scenarios, load_scenario
+from fake_nvml.models import model_by_key
+from fake_nvml.scenario import NvlinkDomain, Scenario, bundled_scenarios, load_scenario
 
 if TYPE_CHECKING:
     from detector.core.check import CheckRegistry
@@ -38,7 +46,7 @@ FLEET_VERSION = 1
 GPU_ALL, GPU_RANDOM = "all", "random"
 
 _TOP_FIELDS = {"version", "seed", "nodes", "checks", "faults"}
-_GROUP_FIELDS = {"scenario", "count", "name", "racks", "labels"}
+_GROUP_FIELDS = {"scenario", "count", "name", "racks", "labels", "nvlink_domain"}
 _SELECTORS = ("node", "rack", "labels", "fraction")
 _FAULT_FIELDS = {"at", "random", "kind", "gpu", *_SELECTORS}     # any other key is a fault parameter
 _RANDOM_FIELDS = {"rate", "rate_per_hour", "from", "until"}
@@ -61,6 +69,9 @@ class NodeGroup:
     labels: dict[str, str]
     racks: int | None
     gpus: int                        # GPUs per node of this scenario
+    nvlink_domain: str | None = None   # the multi-node NVLink domain its nodes share, by name
+    pci_bus_ids: tuple[str, ...] = field(default=(), compare=False)   # its GPUs' bus ids (the scenario's)
+    nvlinks: int = field(default=0, compare=False)                    # NVLinks per GPU of its model
 
 
 @dataclass(frozen=True)
@@ -73,6 +84,11 @@ class SimNodeSpec:
     gpus: int
     rack: str | None
     group: int = 0                   # index into FleetSpec.groups
+    nvlink_domain: str | None = None   # its group's `nvlink_domain:`
+
+    def domain(self) -> NvlinkDomain | None:
+        """The NVLink domain to build its fake node in (None: the scenario's own, if any)."""
+        return NvlinkDomain.named(self.nvlink_domain) if self.nvlink_domain else None
 
 
 @dataclass(frozen=True)
@@ -140,7 +156,11 @@ def _build(data: Any, file: str, base_dir: Path, registry: "CheckRegistry | None
         text = json.dumps(item, sort_keys=True, default=str)
         seen[text] += 1                      # twins draw from streams of their own, not the same one
         stream = f"{seed}:{text}:{seen[text]}"
-        faults.append(_fault_spec(MappingReader(file, item, path, line), index, line, stream, nodes, by_name))
+        reader = MappingReader(file, item, path, line)
+        if isinstance(item, dict) and item.get("kind") == DOMAIN_FAULT:
+            faults.extend(_domain_fault_specs(reader, index, line, stream, nodes, by_name, groups))
+            continue
+        faults.append(_fault_spec(reader, index, line, stream, nodes, by_name))
     return FleetSpec(file, seed, groups, nodes, settings, faults)
 
 
@@ -167,7 +187,9 @@ def _nodes(top: MappingReader, base_dir: Path) -> tuple[list[NodeGroup], list[Si
         if racks is not None and not 1 <= racks <= count:
             raise r.error("racks", f"must be 1 to {count} (the group's node count), got {racks}")
         labels = _labels(r, "labels") if _given(r, "labels") else {}
-        group = NodeGroup(scenario.name, ref, count, pattern, labels, racks, len(scenario.pci_bus_ids))
+        domain = _domain_name(r)
+        group = NodeGroup(scenario.name, ref, count, pattern, labels, racks, len(scenario.pci_bus_ids), domain,
+                          tuple(scenario.pci_bus_ids), model_by_key(scenario.gpu_model).nvlink_links)
         for i in range(count):
             name = pattern.format(index=i)
             if name in made_by:
@@ -177,10 +199,21 @@ def _nodes(top: MappingReader, base_dir: Path) -> tuple[list[NodeGroup], list[Si
                                       "'-' and '.'); set `name:` to a pattern that makes one")
             made_by[name] = path
             rack = f"rack-{rack_base + i * racks // count:02d}" if racks else None
-            nodes.append(SimNodeSpec(name, ref, dict(labels), group.gpus, rack, index))
+            nodes.append(SimNodeSpec(name, ref, dict(labels), group.gpus, rack, index, domain))
         rack_base += racks or 0
         groups.append(group)
     return groups, nodes
+
+
+def _domain_name(r: MappingReader) -> str | None:
+    """`nvlink_domain: NAME`: the name of the NVLink domain (NVL72 rack) the group's nodes share."""
+    if not _given(r, "nvlink_domain"):
+        return None
+    name = r.get("nvlink_domain", str)
+    if not _LABEL_NAME.match(name):
+        raise r.error("nvlink_domain", f"expected a domain name (up to 63 letters, digits, '-', '_' or '.', starting "
+                                       f"and ending alphanumeric), got {name!r}")
+    return name
 
 
 def _scenario(r: MappingReader, base_dir: Path, cache: dict[str, Scenario]) -> tuple[str, Scenario]:
@@ -268,6 +301,40 @@ def _fault_spec(r: MappingReader, index: int, line: int | None, stream: str, nod
     if isinstance(gpu, int):
         _check_gpu_index(r, gpu, targets)
     return FaultSpec(index, line, stream, source, kind, gpu, params, tuple(n.name for n in targets), at_s, rate)
+
+
+def _domain_fault_specs(r: MappingReader, index: int, line: int | None, stream: str, nodes: list[SimNodeSpec],
+                        by_name: dict[str, SimNodeSpec], groups: list[NodeGroup]) -> list[FaultSpec]:
+    """`nvlink_domain_fault`: the 149 on one GPU's link, then the downstream 145 on every other GPU of its
+    node's NVLink domain, as kernel lines (sim/domain_fault.py)."""
+    r.reject_unknown(set(DOMAIN_FAULT_FIELDS))
+    if not _given(r, "at"):
+        raise r.error(None, f"missing `at`: a {DOMAIN_FAULT} happens once, at a time after the start")
+    at_s = _duration(r, "at")
+    name = r.get("node", str)
+    node = by_name.get(name)
+    if node is None:
+        raise r.error("node", f"no node named {name!r} in the fleet (its nodes run from {nodes[0].name!r} "
+                              f"to {nodes[-1].name!r})")
+    if node.nvlink_domain is None:
+        raise r.error("node", f"node {name!r} is in no NVLink domain: give its group `nvlink_domain: NAME`")
+    gpu = r.get("gpu", int)
+    if isinstance(gpu, bool) or not 0 <= gpu < node.gpus:
+        raise r.error("gpu", f"no GPU {gpu} on node {name!r}: it has GPUs 0 to {node.gpus - 1}")
+    link = r.get("link", int)
+    links = groups[node.group].nvlinks
+    if isinstance(link, bool) or not 0 <= link < links:
+        raise r.error("link", f"no NVLink {link} on a GPU of node {name!r}: its GPUs have links 0 to {links - 1}"
+                      if links else f"node {name!r}'s GPUs have no NVLink")
+    specs = []
+    for member in (n for n in nodes if n.nvlink_domain == node.nvlink_domain):
+        for i, bus in enumerate(groups[member.group].pci_bus_ids):
+            origin = member is node and i == gpu
+            message = xid149_line(bus, link) if origin else xid145_line(bus, link)
+            specs.append(FaultSpec(index, line, f"{stream}:{member.name}:{i}", "scripted" if member is node
+                                   else "correlated", "kernel_line", None, {"message": message}, (member.name,),
+                                   at_s if origin else at_s + DOWNSTREAM_DELAY_S))
+    return specs
 
 
 def _timing(r: MappingReader) -> tuple[float | None, RandomRate | None]:

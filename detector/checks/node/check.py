@@ -19,6 +19,7 @@ from typing import Any, Callable, Mapping
 from detector.checks.node.history import HISTORY_FILE, GpuRecord, History, Incident
 from detector.core.check import CheckOutput, ConfigField
 from detector.core.gpu_health import DEGRADED, FAILED, GpuHealth, gpu_key
+from detector.core.nvlink_domain import parse_clique
 from detector.core.nodecheck import NodeCheck, NodeView
 from detector.core.types import GpuRef, Observation, Problem, Severity, action_strength
 
@@ -58,6 +59,14 @@ class NodeStateCheck(NodeCheck):
         "incident_reasons": "the reasons of those incidents",
         "flaky": "true when incident_boots reached flaky_boots",
         "flaky_window": "flaky_window, as text",
+        "nvlink_domain": "the node's multi-node NVLink domain, <cluster UUID>/<clique ID> ('' when none)",
+        "link_origin": "its GPUs with a fatal link-level XID other than the downstream 145 (where a domain-wide "
+                       "fault may start), named with the XID and link ('' when none)",
+        "downstream_only": "true when the node is in an NVLink domain, holds no origin-class link XID, and every "
+                           "failed GPU a reboot may cure failed only by the downstream XID 145",
+        "downstream_hold": "true while downstream_only and the first downstream XID is younger than "
+                           "downstream_hold: the node waits for the domain's origin tray to be remediated first",
+        "domain_note": "what the node knows of a domain-wide fault, to end the remediation ask with ('' when none)",
     }
     config_fields = {
         "loop_reboots": ConfigField(int, 3, "reboots after which the same problem coming back is a remediation loop"),
@@ -69,6 +78,8 @@ class NodeStateCheck(NodeCheck):
         "remediable_actions": ConfigField(list, REMEDIABLE_ACTIONS, "recommended actions of node-wide problems "
                                           "that a drain and reboot can cure (node_problems counts only these)"),
         "retention": ConfigField(float, 90 * DAY, "seconds of history kept (at least both windows)"),
+        "downstream_hold": ConfigField(float, 1800.0, "seconds a node whose failed GPUs show only the downstream "
+                                       "XID 145 of an NVLink domain waits before asking for a reboot (0: never waits)"),
     }
 
     def __init__(self, config: Mapping[str, Any] | None = None, clock: Callable[[], float] = time.monotonic):
@@ -143,6 +154,8 @@ class NodeStateCheck(NodeCheck):
             "loop_problem": ", ".join(k.replace("/", " ") for k in loop.problems) if loop else "",
             "loop_boots": ", ".join(_when(b.first_seen) for b in loop.boots) if loop else "",
             "loop_window": span(self.config["loop_window"]),
+            **domain_fields(view.health, [h for h in failed if h.action in remediable], view.now,
+                            self.config["downstream_hold"]),
         }, time=view.now)
 
     def _gpu_observations(self, history: History, view: NodeView) -> list[Observation]:
@@ -166,6 +179,38 @@ class NodeStateCheck(NodeCheck):
                 "flaky_window": span(self.config["flaky_window"]),
             }, gpu=ref, time=view.now))
         return out
+
+
+def domain_fields(health: list[GpuHealth], failed: list[GpuHealth], now: float, hold_s: float) -> dict[str, Any]:
+    """What this node alone can say of a fault in its NVLink domain: whether it holds a likely origin (a
+    fatal link-level XID other than 145 on one of its GPUs) or shows only the downstream XID 145. Which
+    tray the fault started on, when it is not this one, only the fleet view knows (`gpu-npd fleet`)."""
+    cliques = {h.clique for h in health if h.clique}
+    domain = ""
+    if len(cliques) == 1:
+        cluster, clique = parse_clique(next(iter(cliques)))
+        domain = f"{cluster}/{clique}"
+    origins = [h for h in health if h.link_xid is not None and h.link_xid.origin_class]
+    downstream = [h for h in failed if h.link_xid is not None and h.link_xid.code == 145 and len(h.reasons) == 1]
+    only = bool(domain) and not origins and bool(failed) and len(downstream) == len(failed)
+    times = [h.link_xid.time if h.link_xid.time is not None else h.since for h in downstream if h.link_xid]
+    first = min((t for t in times if t is not None), default=now)
+    note = ""
+    if domain and origins:
+        named = ", ".join(f"GPU {_index(h)} ({h.link_xid.describe()})" for h in origins if h.link_xid)
+        note = (f"; domain {domain}: this node holds the likely origin of a fault in its NVLink domain: {named}; "
+                "remediate this tray, not the rack")
+    elif only:
+        note = (f"; domain {domain}: this node shows only the downstream XID 145 (GPU "
+                f"{', '.join(_index(h) for h in downstream)}): the fault likely started on another tray, which "
+                "gpu-npd fleet names")
+    return {"nvlink_domain": domain,
+            "link_origin": ", ".join(f"GPU {_index(h)} {h.link_xid.describe()}" for h in origins if h.link_xid),
+            "downstream_only": only, "downstream_hold": only and now - first < hold_s, "domain_note": note}
+
+
+def _index(h: GpuHealth) -> str:
+    return str(h.gpu.index) if h.gpu.index is not None else h.gpu.pci_bus_id or "?"
 
 
 def _summary(observations: list[Observation]) -> str:

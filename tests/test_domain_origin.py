@@ -38,12 +38,13 @@ def test_each_real_line_is_judged_origin_downstream_or_neither(case):
     assert x is not None and x.code == case["code"] and x.fatal is case["fatal"] and x.link == case["link"]
     assert x.origin_class is (case["kind"] == "origin")
     assert x.downstream is (case["kind"] == "downstream")
-    assert x.decoded == str(case["code"])              # no xid_decoded field given: the bare code
+    assert x.decoded == case["decoded"]                # the catalogue's sub-code from the xid check, else the code
 
 
 def test_the_decoded_sub_code_is_used_where_the_xid_check_gives_it():
-    fields = {**fields_of(LINES[0]["line"]), "xid_decoded": "149.37"}
-    assert link_xid_of(fields, T0).describe() == "XID 149.37 link 0"
+    assert link_xid_of(fields_of(LINES[0]["line"]), T0).describe() == "XID 149.37 link 0"
+    bare = {k: v for k, v in fields_of(LINES[0]["line"]).items() if k != "xid_decoded"}
+    assert link_xid_of(bare, T0).describe() == "XID 149 link 0"     # an older event without the decode
 
 
 # -- the domain ----------------------------------------------------------------------------------------

@@ -76,8 +76,7 @@ def test_the_fleet_names_node_5_gpu_1_as_the_origin_of_the_racks_fault_within_a_
     assert (d["cluster_uuid"], d["clique_id"]) == (domain.cluster_uuid, domain.clique_id)
     assert d["nodes"] == [f"gb200-{i:02d}" for i in range(18)]
     assert d["origin"]["node"] == "gb200-05" and d["origin"]["gpu"] == 1, d
-    assert (d["origin"]["xid"], d["origin"]["link"], d["origin"]["fatal"]) == ("149.37", 14, True) or \
-        (d["origin"]["xid"], d["origin"]["link"]) == ("149", 14), d          # 149.37 once the XID decoder is in
+    assert (d["origin"]["xid"], d["origin"]["link"], d["origin"]["fatal"]) == ("149.37", 14, True), d
     assert d["verdict"] == "origin" and d["downstream_only"] == 71 and d["candidates"] == [d["origin"]]
     assert "gb200-05 GPU 1" in d["explanation"] and "71 GPUs show only downstream XIDs" in d["explanation"]
     # Every tray got the clique label the DRA driver would have written (none was there to reuse).

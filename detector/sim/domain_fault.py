@@ -10,27 +10,26 @@ The lines are the driver's own form, as real ones read:
   0x00000000 0x00000000 0x00000000)` (NVIDIA/NVSentinel tests/syslog_health_monitor_test.go). Which link
   of each downstream GPU reported it is not in the public record: the simulator names the same link.
 
-(A formatter for every XID 144-150 line may live in fake_nvml; this one plays only these two.)
+The lines are formatted by fake_nvml/nvlink5_lines.py, as every fake 144-150 line is.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+from fake_nvml.nvlink5_lines import LINK_DOWN_149, Nvlink5Xid, nvlink5_xid_line
+
 DOMAIN_FAULT = "nvlink_domain_fault"
 DOMAIN_FAULT_FIELDS = frozenset({"at", "kind", "node", "gpu", "link"})
 DOWNSTREAM_DELAY_S = 1.0          # the downstream XIDs follow the origin's within a second or so
-XID149_INTRINFO = 0x025001C6
-XID145_INFO = "0x00000082 0x00000040 0x00000000 0x00000000 0x00000000 0x00000000"
-
-
-def _pci(bus_id: str) -> str:
-    """`0008:01:00.0` -> `0008:01:00`, as the driver names a GPU in an XID line."""
-    return bus_id.rsplit(".", 1)[0]
+# NVSentinel's real RLW_REMAP line: error status 0x40, which the catalogue reads RESET_GPU (fatal), as the
+# rack's other GPUs were reported failed.
+DOWNSTREAM_REMAP_145 = Nvlink5Xid(145, "RLW_REMAP", True, 10, 0x00000082, 0x00000040, cross_contain=1)
 
 
 def xid149_line(bus_id: str, link: int) -> str:
-    return (f"NVRM: Xid (PCI:{_pci(bus_id)}): 149, NETIR_LINK_DOWN Fatal XC0 i0 Link {link:02d} "
-            f"(0x{XID149_INTRINFO:08x} 0x00000000 0x00000000 0x00000000 0x00000000 0x00000000)")
+    return nvlink5_xid_line(bus_id, replace(LINK_DOWN_149, link=link))
 
 
 def xid145_line(bus_id: str, link: int) -> str:
-    return f"NVRM: Xid (PCI:{_pci(bus_id)}): 145, RLW_REMAP Fatal XC1 i0 Link {link:02d} ({XID145_INFO})"
+    return nvlink5_xid_line(bus_id, replace(DOWNSTREAM_REMAP_145, link=link))

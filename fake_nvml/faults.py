@@ -14,6 +14,7 @@ from typing import Any, Mapping
 from fake_nvml import (
     device_plugin,
     driver_lines,
+    imex,
     infiniband,
     nvml_latency,
     nvml_memory,
@@ -165,6 +166,7 @@ _MODULES = (
     pci,               # the pcie check's replay counter
     nvml_latency,      # the visibility check's latency: a GPU whose NVML calls are slow
     driver_lines,      # the xid check's driver lines without an Xid: RM init, GSP timeout, PCIe AER, peermem
+    imex,              # the imex check: the IMEX daemon and its peers
 )
 
 

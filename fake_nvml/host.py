@@ -16,6 +16,7 @@ from detector.backends.smi import SmiOutcome, SubprocessSmi
 from detector.core.clock import SimulatedClock
 from detector.core.inventory import nvml_error_name
 from detector.core.sweep import Host
+from fake_nvml.imex import fake_imex
 from fake_nvml.infiniband import fake_infiniband
 from fake_nvml.kmsg import FakeKmsgDevice
 from fake_nvml.nccl import FakeNcclProbe
@@ -74,6 +75,7 @@ def fake_host(node: FakeNode, *, sysfs_root: Path | None = None, smi_command: li
                 nccl_probe=FakeNcclProbe(node))
     host.infiniband = sysfs_infiniband(sysfs_root) if sysfs_root else fake_infiniband(node)
     host.system = fake_system(node)
+    host.imex = fake_imex(node, clock.sleep if isinstance(clock, SimulatedClock) else time.sleep)
     host.uptime_s = node.uptime_s
     if clock is not None:
         host.clock = clock

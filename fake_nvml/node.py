@@ -164,6 +164,13 @@ class NodeState:
     device_plugin_allocatable: int = 0
     device_plugin_unhealthy: list[str] = field(default_factory=list)   # UUIDs it marked unhealthy (XIDs)
     dra_driver: bool = False                 # the gpu.nvidia.com DRA driver publishes this node's GPUs
+    # -- IMEX (the imex check; fake_nvml/imex.py) --
+    imex_installed: bool = False             # the nvidia-imex packages (nvidia-imex-ctl) are on the node
+    imex_service_enabled: bool = False       # the nvidia-imex systemd unit is enabled
+    imex_nodes: list[str] = field(default_factory=list)   # the nodes config: this node's address first, then peers
+    imex_daemon: str = "READY"               # what `nvidia-imex-ctl -q` says while the service is configured
+    imex_unreachable: list[int] = field(default_factory=list)   # peers (1-based, their line) not connected
+    imex_hang_s: float = 0.0                 # nvidia-imex-ctl blocks this long
 
     def to_dict(self) -> dict[str, Any]:
         """Every field, as JSON: nested dataclasses become dicts (`from_dict` rebuilds them)."""

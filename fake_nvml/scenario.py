@@ -15,6 +15,7 @@ from typing import Any
 from detector.backends.pciaddr import normalize_bus_id
 from detector.yamlsource import MappingReader, SourceError, load_yaml, parse_yaml
 from fake_nvml.faults import Fault
+from fake_nvml.imex import configure as fake_imex_setup
 from fake_nvml.infiniband import IbSpec, parse_ib_spec
 from fake_nvml.models import MODELS, model_by_key
 from fake_nvml.node import Clock, FakeGpu, FakeNode, NodeState, NvSwitch, TimedFault
@@ -24,7 +25,7 @@ HGX8_BUS_IDS = ["0000:18:00.0", "0000:2a:00.0", "0000:3a:00.0", "0000:5d:00.0",
                 "0000:9a:00.0", "0000:ab:00.0", "0000:ba:00.0", "0000:db:00.0"]
 _UUID_NAMESPACE = uuid.UUID("5b0c6a52-3f7e-4d7e-9a61-0d6c4b1e8a10")
 _TOP_FIELDS = {"description", "extends", "node_name", "driver_version", "cuda_version", "gpu_model", "gpus",
-               "pci_bus_ids", "nvswitches", "faults", "infiniband", "nvlink_domain"}
+               "pci_bus_ids", "nvswitches", "faults", "infiniband", "nvlink_domain", "imex"}
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,16 @@ class NvlinkDomain:
 
 
 @dataclass(frozen=True)
+class ImexSpec:
+    """`imex: {configured: true, peers: 17}`: the IMEX packages installed; with `configured` the host service
+    enabled with a nodes config listing this tray and `peers` others (an NVL72 rack: 17)."""
+
+    configured: bool = True
+    peers: int = 17
+    managed_by: str = "host"             # host (the nvidia-imex unit) or compute_domain (a ComputeDomain's pod)
+
+
+@dataclass(frozen=True)
 class Scenario:
     name: str
     description: str
@@ -53,6 +64,7 @@ class Scenario:
     faults: list[TimedFault] = field(default_factory=list)
     infiniband: IbSpec = IbSpec()        # HCA ports (fake_nvml/infiniband.py); none by default
     nvlink_domain: NvlinkDomain | None = None   # a multi-node NVLink domain (GB200 NVL72); None: none
+    imex: ImexSpec | None = None         # the IMEX packages and host service (fake_nvml/imex.py); None: none
 
     def build(self, node_name: str | None = None, clock: Clock = time.monotonic,
               nvlink_domain: NvlinkDomain | None = None, **kwargs: Any) -> FakeNode:
@@ -77,6 +89,9 @@ class Scenario:
             fabric_clique_id=domain.clique_id if domain else 0,
             fabric_cluster_uuid=domain.cluster_uuid if domain else "",
         )
+        if self.imex is not None:
+            fake_imex_setup(state, self.imex.peers, installed=True, enabled=self.imex.configured,
+                            managed_by=self.imex.managed_by)
         return FakeNode(state, list(self.faults), clock=clock, **kwargs)
 
 
@@ -134,7 +149,23 @@ def _parse(name: str, top: MappingReader, base: Scenario | None) -> Scenario:
         faults=faults,
         infiniband=parse_ib_spec(top, base.infiniband if base else None),
         nvlink_domain=_nvlink_domain(top, base),
+        imex=_imex(top, base),
     )
+
+
+def _imex(top: MappingReader, base: Scenario | None) -> ImexSpec | None:
+    """`imex: {configured: true|false, peers: N, managed_by: host|compute_domain}` (all optional)."""
+    if not top.has("imex"):
+        return base.imex if base else None
+    r = top.child("imex")
+    r.reject_unknown({"configured", "peers", "managed_by"})
+    peers = r.get("peers", int, 17)
+    if not 0 <= peers <= 1023:
+        raise r.error("peers", f"expected 0 to 1023 peers, got {peers}")
+    managed_by = r.get("managed_by", str, "host")
+    if managed_by not in ("host", "compute_domain"):
+        raise r.error("managed_by", f"expected host or compute_domain, got {managed_by!r}")
+    return ImexSpec(r.get("configured", bool, True), peers, managed_by)
 
 
 def _nvlink_domain(top: MappingReader, base: Scenario | None) -> NvlinkDomain | None:

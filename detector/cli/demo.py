@@ -27,7 +27,7 @@ from detector.kube.device_taints import DeviceTaintSettings
 NODE = "demo-node"
 # Every check runs every 2 s here (pcie every 4), so that a cure is verified (every check passing
 # --verify-sweeps rounds, 3) within seconds instead of the minutes the daemon's 60 s intervals take.
-FAST_CHECKS = ("visibility", "xid", "driver", "memory", "nvlink", "fabric", "thermal", "performance", "infiniband")
+FAST_CHECKS = ("visibility", "xid", "driver", "memory", "nvlink", "fabric", "imex", "thermal", "performance", "infiniband")
 
 
 def add_demo_parser(sub: Any) -> None:

@@ -74,6 +74,7 @@ def _real_host(node_name: str, sysfs_root: Path, nvidia_smi: str, kernel_cursor:
         boot_id, kernel_log = "current", None
     else:
         boot_id, kernel_log = live_kernel_log(cursor_file=kernel_cursor)
+    from detector.backends.imex import host_imex
     from detector.backends.infiniband import sysfs_infiniband
     from detector.backends.nvml_timing import TimedNvml
     from detector.backends.system import host_system
@@ -83,6 +84,7 @@ def _real_host(node_name: str, sysfs_root: Path, nvidia_smi: str, kernel_cursor:
                 close=_shutdown(pynvml) if init_error is None else (lambda: None))
     host.infiniband = sysfs_infiniband(sysfs_root)
     host.system = host_system(sysfs_root)
+    host.imex = host_imex(sysfs_root)
     host.uptime_s = _uptime
     return host
 

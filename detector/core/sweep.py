@@ -34,6 +34,8 @@ class Host:
     infiniband: Any = None             # InfiniBand/RoCE ports reader (detector/backends/infiniband.py); None: none
     system: Any = None                 # driver plumbing reader: kernel modules, device files, services
                                        # (detector/backends/system.py); None: not readable here
+    imex: Any = None                   # IMEX reader: nvidia-imex-ctl and the host service (detector/backends/imex.py);
+                                       # None: none here (a replay)
     uptime_s: Callable[[], float | None] = lambda: None   # seconds since this boot; None: unknown (a replay)
     snapshot: bool = False             # one saved capture (a replay): what it shows counts as held
     one_sweep: bool = False            # judged in one sweep and no more (`diagnose` without a duration): no

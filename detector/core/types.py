@@ -41,6 +41,8 @@ ACTIONS: dict[str, str] = {
     "CHECK_DRIVER": "check that the NVIDIA driver is installed, loaded and matches its user-space libraries",
     "RESTART_DEVICE_PLUGIN": "restart the NVIDIA device plugin (or DRA driver) pod on the node, so that what the "
                              "scheduler is told matches the GPUs again",
+    "RESTART_IMEX": "restart the node's IMEX daemon (systemctl restart nvidia-imex, or delete the ComputeDomain's "
+                    "IMEX daemon pod on the node) and check its nodes config and peers; not a reboot",
     "INSPECT": "look at the node: the detector could not tell what is wrong",
     "CHECK_NVLINK": "drain the node and check NVLink and NVSwitch health (nvidia-smi nvlink -s, the fabric "
                     "manager's log); reboot, and open a hardware case if it persists",
@@ -59,7 +61,7 @@ ACTIONS: dict[str, str] = {
 # the most leads its reason and message (then the more severe, then the more recent).
 ACTION_ORDER = ("REPLACE_GPU", "CONTACT_SUPPORT", "RESTART_BM", "CHECK_MECHANICALS", "RESTART_VM", "DRAIN_AND_RESET",
                 "RESET_GPU", "CHECK_NVLINK", "CHECK_PCIE", "CHECK_NETWORK", "CHECK_COOLING", "DRAIN_P2P", "UPDATE_SWFW", "CHECK_DRIVER",
-                "RESTART_DEVICE_PLUGIN", "CHECK_UVM", "RESTART_APP", "INSPECT", "IGNORE", "NONE")
+                "RESTART_DEVICE_PLUGIN", "RESTART_IMEX", "CHECK_UVM", "RESTART_APP", "INSPECT", "IGNORE", "NONE")
 
 
 def action_strength(action: str) -> int:

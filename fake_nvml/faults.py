@@ -83,8 +83,11 @@ class Fault:
 
 def xid_line(gpu: FakeGpu, code: int, message: str | None, pid: int | None) -> str:
     domain, bus, dev_fn = gpu.pci_bus_id.split(":")
-    who = f"pid={pid}, name=python3" if pid else "pid='<unknown>', name=<unknown>"
     text = message or XID_TEXT.get(code, "Graphics Exception")
+    if 144 <= code <= 150 and not pid:
+        # NVLink5 lines name no process: `149, NETIR_LINK_DOWN Fatal XC0 i0 Link 14 (0x025001c6 ...)`
+        return f"NVRM: Xid (PCI:{domain}:{bus}:{dev_fn.split('.')[0]}): {code}, {text}"
+    who = f"pid={pid}, name=python3" if pid else "pid='<unknown>', name=<unknown>"
     return f"NVRM: Xid (PCI:{domain}:{bus}:{dev_fn.split('.')[0]}): {code}, {who}, {text}"
 
 

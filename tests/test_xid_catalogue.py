@@ -32,7 +32,10 @@ XID_FIELDS = {"kind", "code", "pci_bus_id", "fatal", "recovery_action", "message
               "nvlink_subcode", "link", "applications", "detail", "faults",
               # issue 31: XID counts over a window, and the driver lines without an Xid (rules/driverlines.yaml)
               "xid_in_window", "severity", "port", "reports", "reports_in_window", "driver_gpu", "minor",
-              "index_from"}
+              "index_from",
+              # issue 32: XID 144-150 decoded against the catalogue's table
+              "intrinfo", "error_status", "xid_decoded", "nvlink_layout", "nvlink_decoded_unit", "nvlink_resolution",
+              "nvlink_investigation", "nvlink_severity", "nvlink_effect", "nvlink_guidance", "nvlink_note"}
 KNOWN_FIELDS = {"xid": XID_FIELDS | set(COMMON_FIELDS)}
 
 # NVIDIA's immediate-action bucket per code; workflow buckets resolved as the project decided
@@ -101,8 +104,12 @@ def codes_in(when: str) -> set[int]:
 def fields(code: int, kind: str = "xid", fatal: bool | None = None, recovery_action: str = "",
            count: int = 1, boot: str = "boot-1", message: str = "the rest of the line",
            incidents: int = 1, applications: int | None = None, origin: str = "kernel",
-           detail: bool = False) -> dict[str, Any]:
-    return {"kind": kind, "code": code, "pci_bus_id": GPU.pci_bus_id, "fatal": fatal,
+           detail: bool = False, nvlink_resolution: str = "") -> dict[str, Any]:
+    nvlink = {"nvlink_unit": "", "nvlink_subcode": "", "link": None, "intrinfo": "", "error_status": "",
+              "xid_decoded": "", "nvlink_layout": "", "nvlink_decoded_unit": "", "nvlink_investigation": "",
+              "nvlink_severity": "", "nvlink_effect": "", "nvlink_guidance": "", "nvlink_note": "",
+              "nvlink_resolution": nvlink_resolution}
+    return {**nvlink, "kind": kind, "code": code, "pci_bus_id": GPU.pci_bus_id, "fatal": fatal,
             "recovery_action": recovery_action, "message": message, "pid": 4242, "process_name": "python3",
             "count": count, "incidents": incidents, "follows": None, "origin": origin, "gpu_instance": None,
             "source": "kernel", "boot": boot, "line": 17, "applications": applications, "detail": detail,
@@ -288,6 +295,41 @@ def test_nvlink5_nonfatal_is_an_event(ruleset, fatal):
     p = only(evaluate(ruleset, fields(144, fatal=fatal)))
     assert (p.rule, p.report, p.severity.value, p.action) == ("xid-144-150-nonfatal", "event", "warning",
                                                               "IGNORE")
+
+
+@pytest.mark.parametrize("code", list(NVLINK5))
+@pytest.mark.parametrize("fatal", [True, False, None])
+def test_nvlink5_decoded_row_decides_not_the_fatal_word(ruleset, code, fatal):
+    """The catalogue's resolution for the decoded row picks the rule, whatever the line's Fatal word says."""
+    want = {"RESET_GPU": ("xid-144-150-reset", "condition", "critical", "RESET_GPU"),
+            "IGNORE": ("xid-144-150-ignore", "event", "warning", "IGNORE"),
+            "XID_154_EVAL": ("xid-144-150-xid154-eval", "event", "warning", "RESTART_APP")}
+    for resolution, expected in want.items():
+        p = only(evaluate(ruleset, fields(code, fatal=fatal, nvlink_resolution=resolution)))
+        assert (p.rule, p.report, p.severity.value, p.action) == expected
+
+
+def test_nvlink5_decoded_message_names_subcode_unit_link_and_resolution(ruleset):
+    obs = {**fields(149, fatal=True, nvlink_resolution="RESET_GPU"), "xid_decoded": "149.37",
+           "nvlink_decoded_unit": "NETIR_LINK_DOWN", "link": 14, "nvlink_severity": "Link Fatal",
+           "nvlink_guidance": "investigate the peer device (the other end of the link is the source)"}
+    assert (
+        "XID 149.37 NETIR_LINK_DOWN on link 14: Link Fatal; catalogue resolution RESET_GPU, investigate the "
+        "peer device (the other end of the link is the source)") in only(evaluate(ruleset, obs)).message
+
+
+def test_nvlink5_unverified_reset_row_sets_no_condition(ruleset):
+    p = only(evaluate(ruleset, fields(149, fatal=True, origin="unverified", nvlink_resolution="RESET_GPU")))
+    assert (p.rule, p.report) == ("xid-unverified-origin", "event")
+
+
+def test_nvlink5_decoded_ignore_row_does_not_escalate_even_when_the_line_says_fatal(ruleset):
+    """149.38 (a link taken down by software or a user) says Fatal, the catalogue says IGNORE."""
+    ignore = [fields(149, fatal=True, boot=f"boot-{i}", nvlink_resolution="IGNORE") for i in range(5)]
+    assert rules_of(evaluate(ruleset, *ignore)) == {"xid-144-150-ignore"}
+    reset = [fields(149, fatal=False, boot=f"boot-{i}", nvlink_resolution="RESET_GPU") for i in range(2)]
+    assert "xid-149-recurring-after-reboot" in rules_of(evaluate(ruleset, *reset))
+    assert "xid-fatal-repeated" in rules_of(evaluate(ruleset, *[fields(149, nvlink_resolution="RESET_GPU")] * 5))
 
 
 @pytest.mark.parametrize("action", RECOVERY_ACTIONS)

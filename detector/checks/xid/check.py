@@ -26,7 +26,8 @@ from detector.backends.kernlog.driverlines import PCIE_AER, AerReports, DriverEv
 from detector.backends.kernlog.records import LogLine, is_kernel
 from detector.checks.xid.applications import GPU_SUSPECT_XIDS, ApplicationFaults
 from detector.checks.xid.driver_events import DriverIncidents
-from detector.checks.xid.incidents import APPLICATION_XIDS, IncidentTracker, gpu_for
+from detector.checks.xid.incidents import (APPLICATION_XIDS, NVLINK_UNITS, IncidentTracker, gpu_for,
+                                           nvlink_decode)
 from detector.checks.xid.logfiles import LogNotFound, SavedLog, looks_like_kernel_log, read_head, saved_logs
 from detector.checks.xid.metrics import XidMetrics
 from detector.checks.xid.nvml_events import NvmlXidListener
@@ -62,6 +63,26 @@ FIELDS = {
     "nvlink_unit": "XID 144-150: the NVLink5 unit (SAW, RLW, TLW, TREX, NVLPW_CTRL, NETIR, MSE), else ''",
     "nvlink_subcode": "XID 144-150: the unit's subcode the line starts with (RLW_REMAP, NETIR_LINK_EVT, ...)",
     "link": "XID 144-150: the NVLink the line names, else null",
+    # XID 144-150 decoded against NVIDIA's "XID 144-150 Decode" table (detector/checks/xid/nvlink5.py)
+    "intrinfo": "XID 144-150: the interrupt info, the first hex word in the line's parentheses (0x025001c6); "
+                "'' when absent",
+    "error_status": "XID 144-150: the error status, the second hex word (0x00000000); '' when absent",
+    "xid_decoded": "XID 144-150: the catalogue's sub-code, XID.(IntrInfo[25:20]) (149.37); '' without "
+                   "interrupt info",
+    "nvlink_layout": "XID 144-150: which IntrInfo layout the unit bits matched, V1 (drivers before R575) or "
+                     "V2 (R575 and later); '' when not decoded",
+    "nvlink_decoded_unit": "XID 144-150: the unit the interrupt info encodes, named as the line names it; "
+                           "'' when not decoded",
+    "nvlink_resolution": "XID 144-150: the catalogue's resolution for the decoded row (RESET_GPU, IGNORE, "
+                         "XID_154_EVAL); '' when the table has no row for the line",
+    "nvlink_investigation": "XID 144-150: the catalogue's investigatory action (INVESTIGATE_PEER_DEVICE, "
+                            "CONTACT_SUPPORT, ...); '' when not decoded",
+    "nvlink_severity": "XID 144-150: the catalogue's severity (Fatal, Link Fatal, Non-fatal); '' when not "
+                       "decoded",
+    "nvlink_effect": "XID 144-150: the catalogue's local/remote effect of the row; '' when not decoded",
+    "nvlink_guidance": "XID 144-150: the investigatory action in words; '' when not decoded",
+    "nvlink_note": "XID 144-150: why the line was not decoded (no interrupt info, a unit, sub-code or status "
+                   "the catalogue does not list, a unit word the bits contradict), else ''",
     "detail": "SXid: a Severity/Data detail line whose headline (same switch and code) did not come just "
               "before it (one that did is folded into its headline's incident)",
     "applications": "XID 13/31: how many different applications (process names) raised XID 13 or 31 on this "
@@ -415,6 +436,9 @@ class _Run:
             entry["file"] = file
         if event.gpu_instance is not None:
             entry["gpu_instance"] = event.gpu_instance
+        if event.kind == "xid" and event.code in NVLINK_UNITS:
+            decoded = nvlink_decode(event)
+            entry.update({k: decoded[k] for k in ("xid_decoded", "nvlink_resolution", "link")})
         self.events.append(entry)
 
 
@@ -437,7 +461,8 @@ def _summary(name: str, run: _Run, timeline: SavedLogTimeline) -> str:
         who = f"GPU {gpu['index']} " if gpu.get("index") is not None else ""
         who += f"({e['pci_bus_id'] or 'bus id redacted'})"
         mark = "  [unverified origin]" if e["origin"] != KERNEL else ""
-        rows.append(f"  {when}  {e['boot']}  line {e['line']}  {e['kind'].upper()} {e['code']}  {who}"
+        code = e.get("xid_decoded") or e["code"]
+        rows.append(f"  {when}  {e['boot']}  line {e['line']}  {e['kind'].upper()} {code}  {who}"
                     f"{mark}  {e['message'][:100]}")
     if total > TABLE_EVENTS:
         rows.append(f"  ... {total - TABLE_EVENTS:,} more (-o json lists up to {run.max_events:,})")

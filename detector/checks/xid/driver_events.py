@@ -23,6 +23,7 @@ from typing import Any, Iterable
 
 from detector.backends.kernlog.driverlines import CORRECTED, GSP_TIMEOUT, PCIE_AER, DriverEvent
 from detector.checks.xid.incidents import Incident
+from detector.checks.xid.nvlink5 import EMPTY_FIELDS
 
 _REMEMBERED = 4096
 _GSP_GPU = re.compile(r"from GPU(?P<gpu>\d+) GSP")
@@ -57,6 +58,7 @@ class DriverIncident:
             "incidents": 1 if self.new and self.follows is None else 0, "follows": self.follows,
             "source": "kernel", "boot": self.boot, "line": self.line, "origin": e.origin, "gpu_instance": None,
             "applications": None, "detail": False, "nvlink_unit": "", "nvlink_subcode": "", "link": None,
+            **EMPTY_FIELDS,
             "severity": e.severity, "port": ", ".join(sorted(self.ports)), "reports": self.reports,
             "reports_in_window": self.in_window, "driver_gpu": e.driver_gpu, "minor": e.minor,
         }

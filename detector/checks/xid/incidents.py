@@ -28,6 +28,7 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from detector.checks.xid.nvlink5 import EMPTY_FIELDS, decode_line
 from detector.checks.xid.parser import KernelEvent
 from detector.core.types import GpuRef
 
@@ -120,16 +121,29 @@ class Incident:
 
 
 # NVLink5 unit per XID 144-150, as NVIDIA's Xid catalogue names them (NVLINK_SAW_ERROR, ...). The first
-# word of such a line is the unit's subcode mnemonic (SAW_MVB, RLW_REMAP, NETIR_LINK_EVT, ...).
+# word of such a line is the unit's subcode mnemonic (SAW_MVB, RLW_REMAP, NETIR_LINK_EVT, ...); its interrupt
+# info and error status are decoded against the catalogue's table (nvlink5.py).
 NVLINK_UNITS = {144: "SAW", 145: "RLW", 146: "TLW", 147: "TREX", 148: "NVLPW_CTRL", 149: "NETIR", 150: "MSE"}
 
 
 def nvlink_decode(e: KernelEvent) -> dict[str, Any]:
+    """The 144-150 fields of an event: unit, the line's unit word, link, and the catalogue's decode."""
     if e.kind != "xid" or e.code not in NVLINK_UNITS:
-        return {"nvlink_unit": "", "nvlink_subcode": "", "link": None}
+        return {"nvlink_unit": "", "nvlink_subcode": "", "link": None, **EMPTY_FIELDS}
     first = e.message.split(None, 1)[0] if e.message else ""
     subcode = first if first.replace("_", "").isalnum() and first.isupper() else ""
-    return {"nvlink_unit": NVLINK_UNITS[e.code], "nvlink_subcode": subcode, "link": e.link}
+    return {"nvlink_unit": NVLINK_UNITS[e.code], "nvlink_subcode": subcode, "link": e.link,
+            **decode_line(e.code, e.message, subcode).fields()}
+
+
+def _nvlink_identity(event: KernelEvent) -> tuple:
+    """Lines of one XID 144-150 on one GPU are one incident only when the catalogue reads them alike: a
+    145 RLW_SRC_TRACK (XID_154_EVAL) right after a 145 RLW_RXPIPE (IGNORE) is a fault of its own. The
+    same decode on other links (a flood over links 00-17) stays one incident."""
+    if event.kind != "xid" or event.code not in NVLINK_UNITS:
+        return ()
+    d = nvlink_decode(event)
+    return d["nvlink_subcode"], d["xid_decoded"], d["nvlink_resolution"], d["error_status"]
 
 
 @dataclass
@@ -186,7 +200,8 @@ class IncidentTracker:
             folded = self._fold_detail(event, boot, when)
             if folded is not None:
                 return folded
-        key = (event.kind, event.code, event.pci_bus_id, event.fatal, event.recovery_action, boot, event.detail)
+        key = (event.kind, event.code, event.pci_bus_id, event.fatal, event.recovery_action, boot, event.detail,
+               _nvlink_identity(event))
         last = self._by_key.get(key) if not event.detail else None     # an orphan detail line stands alone
         same = last is not None and _close(last.time, when, self.gap_s) and last.incident.same_fault(event)
         if same and last is not None and last.run == self.run:

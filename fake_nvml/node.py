@@ -79,6 +79,8 @@ class FakeGpu:
     nvlink_flaps: list[dict[str, Any]] = field(default_factory=list)   # {link, period_s, down_s, since_s}
     fabric_state: int | None = None   # NVML_GPU_FABRIC_STATE_*; None: the model's and node's (completed on NVSwitch nodes)
     fabric_status: int = 0            # nvmlReturn_t of the fabric registration once completed
+    # FabricHealth fields (detector/backends/fabric_health.py) of a fabric_health fault; None: healthy
+    fabric_health: dict[str, Any] | None = None
     # -- identity --
     board_part_number: str = ""      # empty: the model's (fake_nvml/identity.py)
     vbios_version: str = ""          # empty: the model's; a firmware update sets it

@@ -11,6 +11,9 @@ What real NVML does, and so what this fake does:
   DL_* field ids (NVML change log, v520->v525 and v560->v565). Each field value carries its own return.
 - nvmlDeviceGetGpuFabricInfo[V]: "for Hopper or newer fully supported devices", NotSupported before; the
   caller passes ctypes.byref(struct) as pynvml's wrapper hands the pointer straight to the library.
+  The versioned call fills v2's healthMask and, asked for v3, its healthSummary: healthy as a driver-580
+  GB200/GB300 tray reports it once registered, 0 (not supported) before; a fabric_health fault sets any
+  of the mask's fields and the summary on one GPU.
 """
 
 from __future__ import annotations
@@ -18,10 +21,12 @@ from __future__ import annotations
 import ctypes
 import time
 import uuid
+from dataclasses import asdict, replace
 from typing import Any
 
 import pynvml
 
+from detector.backends.fabric_health import CONFIGURATIONS, HEALTHY, FabricHealth, encode, summarise
 from detector.backends.nvmlcompat import constant as nvml_constant
 from fake_nvml.fault_kind import FaultArgs, FaultKind
 from fake_nvml.node import FakeGpu, FakeNode, NodeState
@@ -31,16 +36,6 @@ _LEGACY = {pynvml.NVML_NVLINK_ERROR_DL_REPLAY: "replay", pynvml.NVML_NVLINK_ERRO
            pynvml.NVML_NVLINK_ERROR_DL_CRC_FLIT: "crc_flit", pynvml.NVML_NVLINK_ERROR_DL_CRC_DATA: "crc_data"}
 _FIELDS = {pynvml.NVML_FI_DEV_NVLINK_ERROR_DL_REPLAY: "replay", pynvml.NVML_FI_DEV_NVLINK_ERROR_DL_RECOVERY: "recovery",
            pynvml.NVML_FI_DEV_NVLINK_ERROR_DL_CRC: "crc_flit"}
-_HEALTHY_MASK = (nvml_constant("NVML_GPU_FABRIC_HEALTH_MASK_DEGRADED_BW_FALSE")
-                 << nvml_constant("NVML_GPU_FABRIC_HEALTH_MASK_SHIFT_DEGRADED_BW")
-                 | nvml_constant("NVML_GPU_FABRIC_HEALTH_MASK_ROUTE_RECOVERY_FALSE")
-                 << nvml_constant("NVML_GPU_FABRIC_HEALTH_MASK_SHIFT_ROUTE_RECOVERY")
-                 | nvml_constant("NVML_GPU_FABRIC_HEALTH_MASK_ROUTE_UNHEALTHY_FALSE")
-                 << nvml_constant("NVML_GPU_FABRIC_HEALTH_MASK_SHIFT_ROUTE_UNHEALTHY")
-                 | nvml_constant("NVML_GPU_FABRIC_HEALTH_MASK_ACCESS_TIMEOUT_RECOVERY_FALSE")
-                 << nvml_constant("NVML_GPU_FABRIC_HEALTH_MASK_SHIFT_ACCESS_TIMEOUT_RECOVERY"))
-
-
 def _error(code: int) -> pynvml.NVMLError:
     return pynvml.NVMLError(code)
 
@@ -89,7 +84,7 @@ def heal(state: NodeState, gpus: list[FakeGpu], whole_node: bool) -> None:
     node starts the fabric manager again."""
     for g in gpus:
         g.nvlink_errors, g.nvlink_rising, g.nvlink_flaps = {}, [], []
-        g.fabric_state, g.fabric_status = None, pynvml.NVML_SUCCESS
+        g.fabric_state, g.fabric_status, g.fabric_health = None, pynvml.NVML_SUCCESS, None
     if whole_node:
         state.fabric_manager_running = True
 
@@ -162,10 +157,11 @@ class NvlinkCalls:
                            nvml_constant("NVML_GPU_FABRIC_UUID_LEN"))
         if versioned:
             done = state == pynvml.NVML_GPU_FABRIC_STATE_COMPLETED
-            info.healthMask = _HEALTHY_MASK if done else 0
+            mask, summary = encode(FabricHealth(**gpu.fabric_health) if gpu.fabric_health is not None
+                                   else HEALTHY) if done else (0, 0)
+            info.healthMask = mask
             if info.version == nvml_constant("nvmlGpuFabricInfo_v3"):
-                info.healthSummary = (nvml_constant("NVML_GPU_FABRIC_HEALTH_SUMMARY_HEALTHY") if done
-                                      else nvml_constant("NVML_GPU_FABRIC_HEALTH_SUMMARY_NOT_SUPPORTED"))
+                info.healthSummary = summary
         return pynvml.NVML_SUCCESS
 
     def nvmlDeviceGetGpuFabricInfo(self, handle: Any, gpuFabricInfo: Any) -> int:
@@ -219,6 +215,29 @@ def fabric_failed(f: FaultArgs, state: NodeState, gpu: FakeGpu | None, node: Fak
     gpu.fabric_status = f.params.get("status", pynvml.NVML_ERROR_UNKNOWN)
 
 
+_SUMMARIES = ("auto", "healthy", "unhealthy", "limited_capacity", "not_supported")
+_CONFIGURATIONS = tuple(CONFIGURATIONS.values())
+
+
+def fabric_health(f: FaultArgs, state: NodeState, gpu: FakeGpu | None, node: FakeNode) -> None:
+    """The GPU's fabric health mask and summary report what the fault names; the rest stays healthy."""
+    assert gpu is not None
+    p = f.params
+    summary, bandwidth = p.get("summary", "auto"), p.get("bandwidth", "full")
+    config = p.get("incorrect_config", "none")
+    for name, value, allowed in (("summary", summary, _SUMMARIES), ("bandwidth", bandwidth, ("full", "degraded")),
+                                 ("incorrect_config", config, _CONFIGURATIONS)):
+        if value not in allowed:
+            raise ValueError(f"fault 'fabric_health': {name} must be one of {', '.join(allowed)}, got {value!r}")
+    health = FabricHealth(degraded_bandwidth=bandwidth == "degraded",
+                          route_recovery=bool(p.get("route_recovery", False)),
+                          route_unhealthy=bool(p.get("route_unhealthy", False)),
+                          access_timeout_recovery=bool(p.get("access_timeout", False)),
+                          incorrect_configuration=config)
+    named = {"auto": summarise(health), "not_supported": None}.get(summary, summary)
+    gpu.fabric_health = asdict(replace(health, summary=named))
+
+
 _UNFINISHED = {"not_started": pynvml.NVML_GPU_FABRIC_STATE_NOT_STARTED,
                "in_progress": pynvml.NVML_GPU_FABRIC_STATE_IN_PROGRESS}
 
@@ -246,6 +265,13 @@ FAULTS: tuple[FaultKind, ...] = (
     FaultKind("fabric_failed", True, {"status": int}, (), fabric_failed,
               "the GPU's NVLink fabric registration completes with an error status (an nvmlReturn_t, default "
               "999 Unknown): it loses NVLink peer-to-peer"),
+    FaultKind("fabric_health", True, {"summary": str, "bandwidth": str, "route_recovery": bool,
+                                      "route_unhealthy": bool, "access_timeout": bool, "incorrect_config": str},
+              (), fabric_health,
+              "the GPU's NVLink fabric health (NVML's health mask and v3 summary): bandwidth full|degraded, "
+              "route_recovery / route_unhealthy / access_timeout true|false, incorrect_config none|"
+              + "|".join(_CONFIGURATIONS[1:]) + ", summary auto (from the rest)|healthy|unhealthy|"
+              "limited_capacity|not_supported; a reset clears it"),
     FaultKind("fabric_not_started", False, {"state": str}, (), fabric_unfinished,
               "the fabric registration of a GPU (every GPU without gpu) stays not_started (default) or in_progress"),
     FaultKind("fabric_manager_stopped", False, {}, (), fabric_manager_stopped,

@@ -32,6 +32,8 @@ REASONS = {
     "sw_thermal_slowdown_active": {"ThermalSlowdown"},
     "pcie_downtrained_under_load": {"PcieLinkWidthDegraded", "PcieLinkGenDegraded"},
     "fabric_not_completed": {"FabricRegistrationStuck", "FabricRegistrationFailed"},
+    "fabric_unhealthy": {"FabricUnhealthy", "FabricRouteUnhealthy", "FabricIncorrectConfiguration"},
+    "fabric_limited_capacity": {"FabricLimitedCapacity", "FabricBandwidthDegraded"},
     "gpu_lost": {"GpuFellOffBus", "GpuNvmlError"},
 }
 

@@ -114,6 +114,16 @@ class GpuFabricInfoV2(ctypes.Structure):
         super().__init__(version=HEADER_VALUES["nvmlGpuFabricInfo_v2"])
 
 
+class GpuFabricInfoV3(ctypes.Structure):
+    """nvmlGpuFabricInfo_v3_t: v2 and then healthSummary, an unsigned char (37 bytes padded to 40, so version
+    nvmlGpuFabricInfo_v3 = 0x03000028). Drivers that know only v2 answer ARGUMENT_VERSION_MISMATCH."""
+
+    _fields_ = [*GpuFabricInfoV2._fields_, ("healthSummary", ctypes.c_ubyte)]
+
+    def __init__(self) -> None:
+        super().__init__(version=HEADER_VALUES["nvmlGpuFabricInfo_v3"])
+
+
 # The cumulative time per clock event reason ("Clocks Event Reasons Counters" in nvidia-smi -q, nanoseconds
 # since the driver loaded) is read through nvmlDeviceGetFieldValues, but three of its field ids moved between
 # NVML headers, so the number to ask for depends on the running driver, never on the binding:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import re
 
 from detector.backends.pciaddr import normalize_bus_id
+from fake_nvml.replay.fabric import health_lines
 from fake_nvml.replay.raw import RawLog, SnapshotError
 from fake_nvml.replay.snapshot import EccCounts, GpuSnapshot, Reasons, Snapshot
 from fake_nvml.replay.tree import Node
@@ -95,6 +96,9 @@ def _gpu(g: Node, path: str) -> GpuSnapshot:
         processes=_processes(g.section("processes")),
         fabric_state=g.get("fabric/state"),
         fabric_status=g.get("fabric/status"),
+        fabric_clique_id=_int(g.get("fabric/cliqueid")),
+        fabric_cluster_uuid=g.get("fabric/clusteruuid"),
+        fabric_health=health_lines(g),
     )
 
 

@@ -7,6 +7,8 @@ There are no events in a snapshot: the event API is NotSupported.
 
 from __future__ import annotations
 
+import ctypes
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,7 +16,9 @@ import pynvml
 
 from detector.backends.nvmlcompat import constant as nvml_constant, throttle_counter_fields
 
+from detector.backends.fabric_health import encode
 from detector.backends.pciaddr import nvml_bus_id
+from fake_nvml.replay.fabric import fabric_health
 from fake_nvml.nvml import from_pynvml
 from fake_nvml.replay.side_files import NvlinkListing
 from fake_nvml.replay.snapshot import GpuSnapshot, Snapshot
@@ -346,20 +350,39 @@ class ReplayNvml:
         return pynvml.NVML_FEATURE_ENABLED if links[link] else pynvml.NVML_FEATURE_DISABLED
 
     def nvmlDeviceGetGpuFabricInfo(self, handle: Any, gpuFabricInfo: Any) -> int:
-        """The unversioned probe only: a snapshot's health lines are not the versioned struct's mask."""
+        """The original probe: state, status, clique and cluster as printed."""
+        self._fill_fabric(self._gpu(handle), gpuFabricInfo._obj)
+        return pynvml.NVML_SUCCESS
+
+    def nvmlDeviceGetGpuFabricInfoV(self, handle: Any, gpuFabricInfo: Any) -> int:
+        """v2 (health mask) and v3 (and its summary) from the printed Health lines; an output without them
+        is a driver before the versioned call (FunctionNotFound, so the check takes the original one)."""
         gpu = self._gpu(handle)
+        if gpu.fabric_health is None:
+            raise _error(pynvml.NVML_ERROR_FUNCTION_NOT_FOUND)
+        info = gpuFabricInfo._obj
+        if info.version not in (nvml_constant("nvmlGpuFabricInfo_v2"), nvml_constant("nvmlGpuFabricInfo_v3")):
+            raise _error(pynvml.NVML_ERROR_ARGUMENT_VERSION_MISMATCH)
+        self._fill_fabric(gpu, info)
+        mask, summary = encode(fabric_health(gpu.fabric_health))
+        info.healthMask = mask
+        if info.version == nvml_constant("nvmlGpuFabricInfo_v3"):
+            info.healthSummary = summary
+        return pynvml.NVML_SUCCESS
+
+    @staticmethod
+    def _fill_fabric(gpu: GpuSnapshot, info: Any) -> None:
         state = FABRIC_STATES.get((gpu.fabric_state or "").strip().lower())
         if state is None:
             raise _error(pynvml.NVML_ERROR_NOT_SUPPORTED)
         status = _RETURNS.get((gpu.fabric_status or "").strip().lower().rstrip("."), pynvml.NVML_ERROR_UNKNOWN) \
             if state == pynvml.NVML_GPU_FABRIC_STATE_COMPLETED else pynvml.NVML_SUCCESS
-        info = gpuFabricInfo._obj
-        info.state, info.status, info.cliqueId = state, status, 0
-        return pynvml.NVML_SUCCESS
-
-    def nvmlDeviceGetGpuFabricInfoV(self, handle: Any, gpuFabricInfo: Any) -> int:
-        self._gpu(handle)
-        raise _error(pynvml.NVML_ERROR_FUNCTION_NOT_FOUND)
+        info.state, info.status, info.cliqueId = state, status, gpu.fabric_clique_id or 0
+        try:
+            cluster = uuid.UUID(gpu.fabric_cluster_uuid or "").bytes
+        except ValueError:
+            cluster = bytes(16)               # absent or not a UUID: zeros, as NVML says "no cluster"
+        ctypes.memmove(ctypes.addressof(info.clusterUuid), cluster, 16)
 
     # -- events: none in a snapshot --------------------------------------------------------------------
 

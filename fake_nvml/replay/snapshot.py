@@ -81,6 +81,11 @@ class GpuSnapshot:
     processes: tuple[tuple[int, int | None], ...] | None = None      # (pid, used MiB); () when "None"
     fabric_state: str | None = None            # as printed: Completed, In Progress, Not Started
     fabric_status: str | None = None           # Success, or the NVML error text
+    fabric_clique_id: int | None = None        # CliqueId / <cliqueId>
+    fabric_cluster_uuid: str | None = None     # ClusterUUID / <clusterUuid>, as printed
+    # Fabric / Health lines that carry a value (summary, bandwidth, route_unhealthy ...: fake_nvml/replay/
+    # fabric.py); None when the output has no Health block (drivers before 550 print none)
+    fabric_health: dict[str, str] | None = None
 
 
 @dataclass(frozen=True)

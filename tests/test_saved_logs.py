@@ -440,7 +440,8 @@ def test_nvlink5_lines_are_decoded_and_171_follows_its_48(tmp_path, capsys):
         syslog(T0 + 100, "NVRM: Xid (PCI:0000:2a:00): 171, Uncorrectable DRAM error"),
     ]) + "\n")
     _, report = diagnose(capsys, "--kernel-log", str(path))
-    [p149] = [p for p in report["problems"] if p["rule"] == "xid-144-150-fatal"]
-    assert "XID 149, fatal NVLink5 NETIR unit error: NETIR_LINK_EVT" in p149["message"]
+    [p149] = [p for p in report["problems"] if p["rule"] == "xid-144-150-reset"]
+    # 0x021425c6: sub-code (0x021425c6 >> 20) & 0x3F = 33, the catalogue's 149.33 row (RESET_GPU)
+    assert "XID 149.33 NETIR_LINK_EVT on link 1: Link Fatal; catalogue resolution RESET_GPU" in p149["message"]
     assert xid_run(report)["result"]["incidents"] == 2          # 149, and 48 with its 171 details
     assert {"xid-48", "xid-171"} <= rules(report)

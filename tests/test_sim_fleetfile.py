@@ -184,7 +184,7 @@ ERRORS = [
     ("empty-nodes", "version: 1\nnodes: []\n", "nodes:", "nodes", "no node group"),
     ("unknown-group-field", BASE.replace("count: 2", "cuont: 2"), "cuont:", "nodes[1].cuont", "unknown field"),
     ("unknown-scenario", BASE.replace("a100-pcie-4", "h200-sxm-8"), "h200-sxm-8", "nodes[1].scenario",
-     "bundled: a100-pcie-4, gb200-nvl72-4, h100-sxm-8"),
+     "bundled: a100-pcie-4, gb200-nvl72-4"),
     ("missing-scenario-file", BASE.replace("a100-pcie-4", "nowhere/x.yaml"), "nowhere", "nodes[1].scenario",
      "cannot load scenario file"),
     ("zero-count", BASE.replace("count: 2", "count: 0"), "count: 0", "nodes[1].count", "at least 1"),

@@ -26,14 +26,11 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
-import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Callable, Protocol
+from typing import Callable, Protocol
 
-from detector.backends.children import LIVE_GROUPS, kill_group
+from detector.backends.children import ToolOutcome, run_tool
 
 DAEMON_STATES = ("INITIALIZING", "STARTING_AUTH_SERVER", "WAITING_FOR_PEERS", "WAITING_FOR_RECOVERY", "INIT_GPU",
                  "READY", "SHUTTING_DOWN", "UNAVAILABLE")
@@ -50,14 +47,7 @@ class ImexParseError(ValueError):
     """nvidia-imex-ctl's output is not what its format promises: says which command, where and what."""
 
 
-@dataclass(frozen=True)
-class CtlOutcome:
-    status: str                 # "ok" (ran, any exit code), "timeout", "not_found", "error"
-    returncode: int | None = None
-    stdout: str = ""
-    stderr: str = ""
-    detail: str = ""
-    truncated: bool = False     # more output than OUTPUT_CAP: the rest was read and dropped
+CtlOutcome = ToolOutcome
 
 
 class CtlRunner(Protocol):
@@ -236,54 +226,11 @@ class SubprocessCtl:
         self.command = list(command)
 
     def run(self, args: list[str], timeout_s: float) -> CtlOutcome:
-        try:
-            proc = subprocess.Popen([*self.command, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                    stdin=subprocess.DEVNULL, start_new_session=True)
-        except FileNotFoundError:
-            return CtlOutcome("not_found", detail=f"{self.command[0]} not found")
-        except OSError as e:
-            return CtlOutcome("error", detail=f"cannot run {self.command[0]}: {e.strerror or e}")
-        LIVE_GROUPS.add(proc.pid)
-        out, err = _Capped(proc.stdout), _Capped(proc.stderr)
-        try:
-            proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            kill_group(proc.pid, signal.SIGKILL)
-            try:
-                proc.wait(timeout=1)
-            except subprocess.TimeoutExpired:
-                pass                # stuck in the kernel: abandoned rather than waited on
+        outcome = run_tool([*self.command, *args], timeout_s, OUTPUT_CAP)
+        if outcome.status == "timeout":      # say which query hung: -q or -N -j
             return CtlOutcome("timeout", detail=f"{self.command[0]} {' '.join(args)} did not finish within "
                                                 f"{timeout_s:g}s")
-        finally:
-            LIVE_GROUPS.discard(proc.pid)
-        out.join(1.0)
-        err.join(1.0)
-        return CtlOutcome("ok", proc.returncode, out.text(), err.text(), truncated=out.dropped or err.dropped)
-
-
-class _Capped:
-    """Drains a pipe in a thread, keeping its first OUTPUT_CAP bytes (so the child never blocks on a full pipe)."""
-
-    def __init__(self, pipe: IO[bytes] | None):
-        self._kept, self.dropped = bytearray(), False
-        self._thread = threading.Thread(target=self._drain, args=(pipe,), daemon=True)
-        self._thread.start()
-
-    def _drain(self, pipe: IO[bytes] | None) -> None:
-        if pipe is None:
-            return
-        with pipe:
-            while chunk := pipe.read(65536):
-                room = OUTPUT_CAP - len(self._kept)
-                self._kept += chunk[:max(room, 0)]
-                self.dropped = self.dropped or len(chunk) > room
-
-    def join(self, timeout_s: float) -> None:
-        self._thread.join(timeout_s)
-
-    def text(self) -> str:
-        return bytes(self._kept).decode("utf-8", errors="replace")
+        return outcome
 
 
 def query(runner: CtlRunner, timeout_s: float, local_addresses: set[str]) -> ImexStatus:

@@ -218,7 +218,7 @@ def _summary(observations: list[Observation]) -> str:
     flaky = sum(bool(o.fields["flaky"]) for o in observations[1:])
     loop = f"{node['loop_problem']} back after {node['loop_reboots']} reboot(s)" if node["loop_reboots"] else "none"
     return (f"{node['failed_gpus']} of {node['gpus']} GPUs failed, {node['degraded_gpus']} degraded; "
-            f"node-wide problems: {node['node_problems']}; returning problem: {loop}; "
+            f"node-wide problems a reboot may cure: {node['node_problems']}; returning problem: {loop}; "
             f"GPUs with incidents: {len(observations) - 1} ({flaky} flaky)")
 
 

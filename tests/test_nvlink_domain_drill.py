@@ -6,27 +6,23 @@ person with deploy/fleet-viewer's read-only RBAC, naming that node and GPU as th
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
+import yaml
 
-from detector.agent.agent import AgentSettings
 from detector.cli.main import main
 from detector.cli.simulate import SIMULATOR_USER
-from detector.core.check import CheckRegistry
 from detector.core.nvlink_domain import CLIQUE_LABEL
 from detector.daemon.local import REPO_DEPLOY
-from detector.kube.api import KubeApi
-from detector.rules.loader import load_rules
-from detector.rules.sources import builtin_rules_dir
-from detector.sim.faultlog import FaultLog
-from detector.sim.fleet import Fleet, FleetSettings
-from detector.sim.fleetfile import fleet_from_dict
 from fake_nvml.scenario import NvlinkDomain
 from kube_emulator import Emulator
 
-FLEET_VIEWER = Path(__file__).resolve().parent.parent / "deploy" / "fleet-viewer"
+REPO = Path(__file__).resolve().parent.parent
+FLEET_VIEWER = REPO / "deploy" / "fleet-viewer"
 VIEWER, VIEWERS = "jane", "gpu-npd:fleet-viewers"
 RACK = {"version": 1, "seed": 32, "nodes": [
     {"scenario": "gb200-nvl72-4", "count": 18, "name": "gb200-{index:02d}", "nvlink_domain": "nvl72-a"}],
@@ -35,20 +31,28 @@ RACK = {"version": 1, "seed": 32, "nodes": [
 
 @pytest.fixture
 def rack(tmp_path):
+    """The rack played by `gpu-npd simulate --kubeconfig` (the command a person runs) against the emulator."""
+    fleet_file = tmp_path / "rack.yaml"
+    fleet_file.write_text(yaml.safe_dump(RACK))
     with Emulator(rbac_paths=(REPO_DEPLOY, REPO_DEPLOY.parent / "kwok", FLEET_VIEWER)) as emulator:
         simulator = emulator.write_kubeconfig(tmp_path / "simulator.kubeconfig", user=SIMULATOR_USER)
         viewer = emulator.write_kubeconfig(tmp_path / "viewer.kubeconfig", user=VIEWER)
         emulator.token_for(VIEWER, groups=[VIEWERS, "system:authenticated"])
-        registry = CheckRegistry.from_entry_points()
-        fleet = Fleet(fleet_from_dict(RACK), KubeApi.from_kubeconfig(str(simulator), qps=500.0, burst=500),
-                      load_rules([builtin_rules_dir()], registry.fields_by_check()), registry,
-                      FleetSettings(workers=2, start_spread_s=0.0, agent=AgentSettings(start_spread_s=0.0)),
-                      FaultLog(tmp_path / "faults.jsonl"))
-        fleet.start()
+        log = tmp_path / "simulate.log"
+        with log.open("w") as stderr:
+            proc = subprocess.Popen([sys.executable, "-m", "detector.cli.main", "simulate", "--fleet",
+                                     str(fleet_file), "--kubeconfig", str(simulator), "--listen", "127.0.0.1:0",
+                                     "--start-spread", "0", "--workers", "2", "--qps", "500", "--burst", "500",
+                                     "--duration", "300"], cwd=REPO, stderr=stderr)
         try:
+            deadline = time.monotonic() + 30          # listening: its stop-signal handlers are in place
+            while "/faults on http://" not in log.read_text() and proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert "/faults on http://" in log.read_text(), log.read_text()
             yield emulator, viewer
         finally:
-            fleet.stop()
+            proc.terminate()
+            assert proc.wait(30) == 0
 
 
 def fleet_json(viewer: Path, capsys) -> tuple[int, dict]:
@@ -101,7 +105,7 @@ def test_only_the_origin_tray_asks_for_remediation_the_downstream_trays_hold(rac
     deadline, asks = time.monotonic() + 60, {}
     while time.monotonic() < deadline:
         asks = remediation_asks(emulator)
-        if asks["gb200-05"][0] == "True" and all(status == "False" for name, (status, _) in asks.items()
+        if asks.get("gb200-05", ("", ""))[0] == "True" and all(status == "False" for name, (status, _) in asks.items()
                                                  if name != "gb200-05") and len(asks) == 18:
             break
         time.sleep(0.5)

@@ -13,7 +13,8 @@ import yaml
 from detector.checks.xid.incidents import nvlink_decode
 from detector.checks.xid.parser import KernelEvent, parse_line
 from detector.core.domain_origin import DomainGpu, judge_domain
-from detector.core.nvlink_domain import DomainFacts, LinkXid, canonical_uuid, clique_text, link_xid_of, parse_clique
+from detector.core.nvlink_domain import (LINK_DOWN, LINK_DOWN_TEXT, DomainFacts, LinkXid, canonical_uuid, clique_text,
+                                         link_down_of, link_xid_of, parse_clique)
 from detector.core.types import GpuRef, Observation
 
 FIXTURES = Path(__file__).parent / "fixtures" / "nvlink_domain"
@@ -147,6 +148,57 @@ def test_a_gpus_weightiest_link_xid_is_kept_and_a_new_boot_forgets_them():
     assert facts.link_xids["0009:01:00.0"].code == 149
     assert not facts.observe([kernel_xid("0018:01:00.0", l149, T0, boot="b0")], "b1")   # an older boot's line
     assert facts.observe([], "b2") and facts.link_xids == {}
+
+
+def link_obs(bus: str, link: int, expected: bool = True, held: bool = True, at: float = T0) -> Observation:
+    return Observation("nvlink", {"scope": "link", "link": link, "link_state": "inactive", "expected": expected,
+                                  "held_down": held}, GpuRef(0, None, bus), at)
+
+
+def test_a_link_held_down_is_a_falling_link_an_origin_class_fault_that_an_xid_outweighs():
+    assert link_down_of(link_obs("0008:01:00.0", 14, held=False).fields, T0) is None      # still settling
+    assert link_down_of(link_obs("0008:01:00.0", 14, expected=False).fields, T0) is None  # not meant to be up
+    facts = DomainFacts()
+    assert facts.observe([link_obs("0009:01:00.0", 14)], "b1")
+    down = facts.link_xids["0009:01:00.0"]
+    assert (down.code, down.decoded, down.link, down.origin_class, down.describe()) == \
+        (LINK_DOWN, LINK_DOWN_TEXT, 14, True, "NVLink 14 down")
+    assert not facts.observe([kernel_xid("0009:01:00.0", LINES[5]["line"], T0 + 2)], "b1")   # a 145 does not
+    assert facts.observe([kernel_xid("0009:01:00.0", LINES[0]["line"], T0 + 3)], "b1")       # the 149 does
+    assert facts.link_xids["0009:01:00.0"].code == 149
+
+
+def test_a_falling_link_against_the_racks_145s_names_its_gpu_and_two_are_no_single_origin():
+    fell = LinkXid(LINK_DOWN, LINK_DOWN_TEXT, True, 14, T0)
+    verdict = judge(rack({(5, 1): fell}))
+    assert verdict.verdict == "origin" and (verdict.origin.node, verdict.origin.gpu) == ("tray-05", 1)
+    assert verdict.explain().startswith("fault started on tray-05 GPU 1 (NVLink 14 down at ")
+    assert judge(rack({(5, 1): fell, (6, 0): fell})).verdict == "several"
+
+
+def test_a_falling_link_survives_the_annotation_and_nothing_else_with_code_0_does():
+    from detector.kube.annotations import link_xid_dict, link_xid_of_dict
+
+    fell = LinkXid(LINK_DOWN, LINK_DOWN_TEXT, True, 14, T0)
+    written = link_xid_dict(fell)
+    assert written == {"xid": "link-down", "code": 0, "fatal": True, "link": 14, "at": "2026-09-10T08:08:46Z"}
+    assert link_xid_of_dict(written) == fell
+    assert link_xid_of_dict({**written, "xid": "0"}) is None          # code 0 is only ever a link held down
+
+
+def test_the_nvlink_checks_own_observation_of_a_fake_trays_link_down_is_the_evidence(registry):
+    from conftest import diagnose_host, node_for
+    from fake_nvml.host import fake_host
+    from fake_nvml.faults import Fault
+
+    node = node_for("gb200-nvl72-4")
+    node.inject(Fault("nvlink_down", 1, {"link": 14}))
+    out = diagnose_host(fake_host(node), registry, checks=["nvlink", "fabric"])
+    assert {p.rule for p in out.problems} == {"nvlink-link-down"}
+    facts = DomainFacts()
+    facts.observe(out.sweep.observations, "b1")
+    assert {bus: x.describe() for bus, x in facts.link_xids.items()} == {"0009:01:00.0": "NVLink 14 down"}
+    assert facts.node_clique() == "6f1c2b4e-8d3a-4c59-9e27-0b5d7a1f3c88.1"
 
 
 def test_the_node_clique_is_given_only_when_every_gpu_with_a_fabric_agrees():

@@ -6,7 +6,8 @@ link-level XID (149 NETIR_LINK_DOWN; any fatal 144-150 but the downstream 145), 
 downstream XID 145 (RLW) and the cleanup XID 45 after it (marin-community/marin #9086: one GPU with XID 149
 on link 14, the other 63 GPUs of the rack XID 145). So:
 
-- exactly one GPU with an origin-class XID: that GPU is the origin, the rest downstream;
+- exactly one GPU with an origin-class XID (or an NVLink held down, a falling link): that GPU is the
+  origin, the rest downstream;
 - several (two 149s on different trays): no single origin, each is named and none is picked;
 - none (only 145s, or one fatal 145 alone on one node): no origin found. A 145 says the fault came from
   elsewhere, not where: naming any GPU then would be a guess.

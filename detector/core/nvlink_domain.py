@@ -1,5 +1,6 @@
 """What one node knows of its multi-node NVLink domain (a GB200/GB300 NVL72 rack): each GPU's clique and
-cluster UUID (the fabric check) and each GPU's weightiest link-level XID of this boot (the xid check).
+cluster UUID (the fabric check) and each GPU's weightiest link-level evidence of this boot: an XID (the xid
+check) or an NVLink held down (the nvlink check's `nvlink-link-down`), which counts as a fatal link fault.
 
 In an NVL72 rack one failing link can fault every tray: the GPU whose link went down reports XID 149
 (NETIR_LINK_DOWN, Fatal), and the rack's other GPUs the downstream XID 145 (RLW) (marin-community/marin
@@ -25,6 +26,8 @@ from detector.core.types import Observation
 NVLINK5_XIDS = frozenset(range(144, 151))   # the catalogue's NVLink5 unit errors (SAW ... MSE)
 DOWNSTREAM_XIDS = frozenset({145})          # RLW: what every other GPU of a faulted domain reports
 CLEANUP_XID = 45                            # preemptive cleanup: "caused by previous Xid 149/145"
+LINK_DOWN = 0                               # no XID: an NVLink the nvlink check saw held down (a falling link)
+LINK_DOWN_TEXT = "link-down"
 CLIQUE_LABEL = "nvidia.com/gpu.clique"
 
 
@@ -56,18 +59,22 @@ def parse_clique(text: str) -> tuple[str, int]:
 
 @dataclass(frozen=True)
 class LinkXid:
-    """One link-level XID on one GPU, as far as judging a domain needs it."""
+    """One link-level XID on one GPU, as far as judging a domain needs it; or, with code LINK_DOWN, one of its
+    NVLinks held down."""
 
-    code: int
-    decoded: str                   # the catalogue's sub-code form ("149.37") where known, else str(code)
+    code: int                      # the XID; LINK_DOWN (0) for a link held down
+    decoded: str                   # the catalogue's sub-code form ("149.37") where known, else str(code);
+                                   # LINK_DOWN_TEXT for a link held down
     fatal: bool | None             # the line's Fatal/Nonfatal; None when it says neither
     link: int | None
     time: float | None             # when the driver logged it (epoch seconds); None: unknown
 
     @property
     def origin_class(self) -> bool:
-        """A fatal NVLink5 error that is not the downstream 145: where a domain's fault may start."""
-        return self.fatal is True and self.code in NVLINK5_XIDS and self.code not in DOWNSTREAM_XIDS
+        """A fatal NVLink5 error that is not the downstream 145, or a link that fell: where a domain's fault
+        may start."""
+        return self.fatal is True and (self.code == LINK_DOWN
+                                       or self.code in NVLINK5_XIDS and self.code not in DOWNSTREAM_XIDS)
 
     @property
     def downstream(self) -> bool:
@@ -75,13 +82,15 @@ class LinkXid:
         return self.code in DOWNSTREAM_XIDS or self.code == CLEANUP_XID
 
     def weight(self) -> tuple[int, float]:
-        """Which of a GPU's link XIDs speaks for it: an origin-class one over a downstream one over the
-        rest, then the latest."""
-        rank = 2 if self.origin_class else 1 if self.code in DOWNSTREAM_XIDS else 0
+        """Which of a GPU's link XIDs speaks for it: an origin-class XID over a link held down (the XID says
+        more) over a downstream XID over the rest, then the latest."""
+        rank = (2 if self.code == LINK_DOWN else 3) if self.origin_class else 1 if self.code in DOWNSTREAM_XIDS else 0
         return rank, self.time if self.time is not None else float("-inf")
 
     def describe(self) -> str:
-        """`XID 149.37 link 14`, as the remediation ask and the fleet view say it."""
+        """`XID 149.37 link 14` (or `NVLink 14 down`), as the remediation ask and the fleet view say it."""
+        if self.code == LINK_DOWN:
+            return f"NVLink {self.link if self.link is not None else '?'} down"
         return f"XID {self.decoded}" + (f" link {self.link}" if self.link is not None else "")
 
 
@@ -96,6 +105,16 @@ def link_xid_of(fields: Mapping[str, Any], when: float | None) -> LinkXid | None
     return LinkXid(code, decoded if isinstance(decoded, str) and decoded else str(code),
                    fatal if isinstance(fatal, bool) else None,
                    link if type(link) is int and link >= 0 else None, when)
+
+
+def link_down_of(fields: Mapping[str, Any], when: float | None) -> LinkXid | None:
+    """The nvlink check's observation of one link, as a LinkXid when the link is expected up and has been
+    held down (what its nvlink-link-down rule fires on); None otherwise."""
+    link = fields.get("link")
+    if fields.get("scope") != "link" or not fields.get("expected") or fields.get("held_down") is not True \
+            or type(link) is not int or link < 0:
+        return None
+    return LinkXid(LINK_DOWN, LINK_DOWN_TEXT, True, link, when)
 
 
 @dataclass
@@ -120,8 +139,8 @@ class DomainFacts:
                 continue
             if o.check == "fabric" and "cluster_uuid" in o.fields:
                 changed |= self._fabric(key, o.fields)
-            elif o.check == "xid" and o.fields.get("boot") in (None, boot):
-                x = link_xid_of(o.fields, o.time)
+            elif o.check in ("xid", "nvlink") and o.fields.get("boot") in (None, boot):
+                x = link_xid_of(o.fields, o.time) if o.check == "xid" else link_down_of(o.fields, o.time)
                 before = self.link_xids.get(key)
                 if x is not None and (before is None or x.weight() > before.weight()):
                     self.link_xids[key] = x

@@ -29,7 +29,7 @@ from typing import Any, Iterable
 
 from detector.core.domain import key
 from detector.core.gpu_health import HEALTHY, GpuHealth
-from detector.core.nvlink_domain import LinkXid, parse_clique
+from detector.core.nvlink_domain import LINK_DOWN, LINK_DOWN_TEXT, LinkXid, parse_clique
 from detector.kube.stamps import parse_rfc3339, rfc3339
 
 UNHEALTHY_GPUS = key("unhealthy-gpus")
@@ -80,7 +80,7 @@ def link_xid_of_dict(value: Any) -> LinkXid | None:
     if not isinstance(value, dict):
         return None
     code, decoded, fatal, link, at = (value.get(k) for k in ("code", "xid", "fatal", "link", "at"))
-    if type(code) is not int or not 0 < code < 1000:
+    if type(code) is not int or not (0 < code < 1000 or code == LINK_DOWN and decoded == LINK_DOWN_TEXT):
         return None
     return LinkXid(code, decoded[:16] if isinstance(decoded, str) and decoded else str(code),
                    fatal if isinstance(fatal, bool) else None, link if type(link) is int and 0 <= link < 1024 else None,

@@ -15,6 +15,7 @@ from typing import Any
 
 import pynvml
 
+from detector.backends.nvml_standin import from_pynvml
 from detector.backends.pciaddr import normalize_bus_id, nvml_bus_id
 from fake_nvml.identity import board_of
 from fake_nvml.node import FakeGpu, FakeNode, NodeState
@@ -26,8 +27,6 @@ from fake_nvml.nvml_thermal import ThermalCalls
 from fake_nvml.pci import pcie_replays
 
 _MIB = 1024 * 1024
-# pynvml functions that are plain Python (no driver call): served as they are.
-_PURE_HELPERS = frozenset({"nvmlExceptionClass", "nvmlStructToFriendlyObject", "nvmlFriendlyObjectToStruct"})
 
 
 @dataclass(frozen=True)
@@ -60,20 +59,6 @@ class _EventSet:
 
 def _error(code: int) -> pynvml.NVMLError:
     return pynvml.NVMLError(code)
-
-
-def from_pynvml(name: str, unimplemented: int) -> Any:
-    """A name a fake NVML does not define: pynvml's constant, error class or helper as it is; an NVML
-    function the fake does not implement raises `unimplemented` (FunctionNotFound: like an old driver;
-    NotSupported: a snapshot that does not say)."""
-    real = getattr(pynvml, name)
-    if callable(real) and name.startswith("nvml") and not isinstance(real, type) \
-            and not name.startswith("nvmlEventType") and name not in _PURE_HELPERS:
-        def missing(*args: Any, **kwargs: Any) -> Any:
-            raise _error(unimplemented)
-        missing.__name__ = name
-        return missing
-    return real
 
 
 class FakeNvml(MemoryCalls, DriverCalls, ThermalCalls, NvlinkCalls, LatencyCalls):

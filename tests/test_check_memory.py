@@ -101,8 +101,8 @@ def test_ecc_default_follows_the_brand_nvml_reports(scenario, default, registry)
                                           ("t-gpud-rtx4090x8-535-mixed-load", "GeForce")])
 def test_ecc_off_on_a_real_workstation_or_geforce_card_is_its_default_not_a_fault(folder, brand, registry):
     """Real healthy machines whose cards ship with ECC off: reported disabled, judged as their default."""
-    from fake_nvml.replay.host import replay_host
-    from fake_nvml.replay.load import load_snapshot
+    from detector.cli.replay_host import replay_host
+    from detector.backends.replay.load import load_snapshot
     path = REAL_MACHINES / folder
     assert load_snapshot(path).gpus[0].brand == brand
     out = diagnose_host(replay_host(path), registry, checks=["memory"])

@@ -24,7 +24,7 @@ from detector.rules.loader import load_rules
 from detector.rules.sources import builtin_rules_dir
 from fake_nvml.faults import Fault
 from fake_nvml.host import fake_host
-from fake_nvml.replay.host import replay_host
+from detector.cli.replay_host import replay_host
 from fake_nvml.scenario import load_scenario
 
 MACHINES = Path(__file__).parent / "fixtures" / "real_machines"

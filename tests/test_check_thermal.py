@@ -111,7 +111,7 @@ def test_a_real_capture_of_a_held_slowdown_is_judged_without_thermal_settings(fo
     """Real outputs (tests/fixtures/real_machines): the replay host alone makes them judged, whoever runs it."""
     from pathlib import Path
     from conftest import diagnose_host
-    from fake_nvml.replay.host import replay_host
+    from detector.cli.replay_host import replay_host
     path = Path(__file__).parent / "fixtures" / "real_machines" / folder
     out = diagnose_host(replay_host(path), registry, checks=["thermal"])
     assert rule in {p.rule for p in out.problems}

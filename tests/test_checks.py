@@ -124,7 +124,7 @@ def test_a_gpu_whose_utilization_nvml_cannot_give_is_not_judged(registry):
     from detector.rules.sources import builtin_rules_dir
     from detector.rules.engine import RuleEngine
     from detector.rules.loader import load_rules
-    from fake_nvml.replay.host import replay_host
+    from detector.cli.replay_host import replay_host
     mig = Path(__file__).parent / "fixtures" / "real_machines" / "x-telegraf-a100-sxm4-80gb-mig-535"
     out = diagnose_host(replay_host(mig), registry, checks=["pcie"])
     fields = out.sweep.runs[0].observations[0].fields

@@ -19,10 +19,10 @@ import pytest
 
 from conftest import REPO
 from detector.checks.xid.scan import find_passes, scan_stream
-from fake_nvml.replay.limits import MAX_CAPTURE_BYTES, MAX_DEPTH, MAX_SIDE_FILE_BYTES
-from fake_nvml.replay.load import load_snapshot
-from fake_nvml.replay.raw import SnapshotError
-from fake_nvml.replay.side_files import read_side_files
+from detector.backends.replay.limits import MAX_CAPTURE_BYTES, MAX_DEPTH, MAX_SIDE_FILE_BYTES
+from detector.backends.replay.load import load_snapshot
+from detector.backends.replay.raw import SnapshotError
+from detector.backends.replay.side_files import read_side_files
 
 H100 = REPO / "tests" / "fixtures" / "replay" / "h100-vm-580"
 STAMP = "Oct  6 17:59:27 gpu-17 kernel: "

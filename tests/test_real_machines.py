@@ -15,7 +15,7 @@ import yaml
 
 from conftest import diagnose_host
 from detector.backends.pciaddr import normalize_bus_id
-from fake_nvml.replay.host import replay_host
+from detector.cli.replay_host import replay_host
 
 MACHINES = Path(__file__).parent / "fixtures" / "real_machines"
 FOLDERS = sorted(p.parent for p in MACHINES.glob("*/expected.yaml"))

@@ -106,8 +106,8 @@ def test_nvlink_states_come_from_the_listing_by_uuid(tmp_path):
 def test_a_fragment_says_unknown_never_healthy_or_failed():
     """The GTX 1070 Ti fragment holds a few fields: everything else answers NotSupported, never 0 or off."""
     import pynvml
-    from fake_nvml.replay.load import load_snapshot
-    from fake_nvml.replay.nvml import ReplayHandle, ReplayNvml
+    from detector.backends.replay.load import load_snapshot
+    from detector.backends.replay.nvml import ReplayHandle, ReplayNvml
 
     snapshot = load_snapshot(FIXTURES / "telegraf-gtx-1070-ti.xml")     # a few fields only, no driver version
     nvml = ReplayNvml(snapshot)
@@ -219,8 +219,8 @@ def test_fabric_state_and_status_as_printed_become_nvmls(state, status, expected
     import dataclasses
 
     import pynvml
-    from fake_nvml.replay.load import load_snapshot
-    from fake_nvml.replay.nvml import ReplayHandle, ReplayNvml
+    from detector.backends.replay.load import load_snapshot
+    from detector.backends.replay.nvml import ReplayHandle, ReplayNvml
 
     snapshot = load_snapshot(FIXTURES / "fragment-fabric-in-progress-gpu-operator-2511.txt")
     gpu = dataclasses.replace(snapshot.gpus[0], bus_id="0000:18:00.0", fabric_state=state, fabric_status=status)

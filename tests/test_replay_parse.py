@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from fake_nvml.replay.load import load_snapshot
-from fake_nvml.replay.raw import SnapshotError
-from fake_nvml.replay.side_files import parse_dev_listing, parse_nvlink_status, read_side_files
+from detector.backends.replay.load import load_snapshot
+from detector.backends.replay.raw import SnapshotError
+from detector.backends.replay.side_files import parse_dev_listing, parse_nvlink_status, read_side_files
 
 FIXTURES = Path(__file__).parent / "fixtures" / "replay"
 H100 = FIXTURES / "h100-vm-580"
@@ -153,7 +153,7 @@ def test_missing_path_and_folder_without_a_snapshot(tmp_path):
 ])
 def test_the_product_brand_is_read_and_answered_as_nvmls_constant(path, printed, brand):
     import pynvml
-    from fake_nvml.replay.nvml import ReplayHandle, ReplayNvml
+    from detector.backends.replay.nvml import ReplayHandle, ReplayNvml
     snapshot = load_snapshot(path)
     nvml = ReplayNvml(snapshot)
     assert snapshot.gpus[0].brand == printed
@@ -162,7 +162,7 @@ def test_the_product_brand_is_read_and_answered_as_nvmls_constant(path, printed,
 
 def test_a_brand_not_printed_is_notsupported_and_one_not_known_is_nvmls_unknown():
     import pynvml
-    from fake_nvml.replay.nvml import ReplayHandle, ReplayNvml
+    from detector.backends.replay.nvml import ReplayHandle, ReplayNvml
     snapshot = load_snapshot(FIXTURES / "fragment-power-brake-v100-c4130.txt")
     assert snapshot.gpus[0].brand is None
     nvml = ReplayNvml(snapshot)

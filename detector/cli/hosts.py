@@ -39,9 +39,9 @@ def open_host(spec: str, *, node_name: str | None = None, sysfs_root: Path | Non
 
 
 def _replay_host(path: str, node_name: str | None) -> Host:
-    """A node rebuilt from what a real machine printed (fake_nvml/replay): one snapshot, judged as held."""
-    from fake_nvml.replay.host import replay_host
-    from fake_nvml.replay.raw import SnapshotError
+    """A node rebuilt from what a real machine printed (detector/backends/replay): one snapshot, judged as held."""
+    from detector.cli.replay_host import replay_host
+    from detector.backends.replay.raw import SnapshotError
 
     if not path.strip():
         raise BackendError("--nvml replay: name a file or folder: replay:PATH, where PATH is nvidia-smi -q (or -q -x) "

@@ -11,12 +11,12 @@ import os
 from pathlib import Path
 
 from detector.backends.safefile import UnsafeFile, read_bounded
-from fake_nvml.replay.fields import read_snapshot
-from fake_nvml.replay.limits import MAX_CAPTURE_BYTES
-from fake_nvml.replay.raw import SnapshotError
-from fake_nvml.replay.snapshot import Snapshot
-from fake_nvml.replay.text_form import parse_text
-from fake_nvml.replay.xml_form import parse_xml
+from detector.backends.replay.fields import read_snapshot
+from detector.backends.replay.limits import MAX_CAPTURE_BYTES
+from detector.backends.replay.raw import SnapshotError
+from detector.backends.replay.snapshot import Snapshot
+from detector.backends.replay.text_form import parse_text
+from detector.backends.replay.xml_form import parse_xml
 
 SNAPSHOT_NAMES = ("nvidia-smi-q.xml", "nvidia-smi-q.txt")     # in a folder, XML first: it names every field
 

@@ -14,7 +14,7 @@ Chassis Serial Number") are both read; a value not recognised stays unknown, nev
 from __future__ import annotations
 
 from detector.backends.fabric_health import FabricHealth
-from fake_nvml.replay.tree import Node, norm
+from detector.backends.replay.tree import Node, norm
 
 HEALTH_LINES = ("summary", "bandwidth", "route_recovery_in_progress", "route_unhealthy", "access_timeout_recovery",
                 "incorrect_configuration", "partition_assigned")

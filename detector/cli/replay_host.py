@@ -13,11 +13,11 @@ from detector.backends.system import SystemInfo
 from detector.checks.nccl.probe import ProbeRequest, ProbeResult
 from detector.core.check import CheckSkipped
 from detector.core.sweep import Host
-from fake_nvml.replay.load import load_snapshot
-from fake_nvml.replay.nvml import ReplayNvml
-from fake_nvml.replay.raw import SnapshotError
-from fake_nvml.replay.side_files import SideFiles, read_side_files
-from fake_nvml.replay.snapshot import GpuSnapshot, Snapshot
+from detector.backends.replay.load import load_snapshot
+from detector.backends.replay.nvml import ReplayNvml
+from detector.backends.replay.raw import SnapshotError
+from detector.backends.replay.side_files import SideFiles, read_side_files
+from detector.backends.replay.snapshot import GpuSnapshot, Snapshot
 
 HELD = "one snapshot: counters and reasons as held at capture"
 _SPEEDS = {1: "2.5 GT/s PCIe", 2: "5.0 GT/s PCIe", 3: "8.0 GT/s PCIe", 4: "16.0 GT/s PCIe", 5: "32.0 GT/s PCIe",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fake_nvml.replay.tree import Node
+from detector.backends.replay.tree import Node
 
 
 class SnapshotError(ValueError):

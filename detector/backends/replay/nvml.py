@@ -18,10 +18,10 @@ from detector.backends.nvmlcompat import constant as nvml_constant, throttle_cou
 
 from detector.backends.fabric_health import encode
 from detector.backends.pciaddr import nvml_bus_id
-from fake_nvml.replay.fabric import fabric_health
-from fake_nvml.nvml import from_pynvml
-from fake_nvml.replay.side_files import NvlinkListing
-from fake_nvml.replay.snapshot import GpuSnapshot, Snapshot
+from detector.backends.replay.fabric import fabric_health
+from detector.backends.nvml_standin import from_pynvml
+from detector.backends.replay.side_files import NvlinkListing
+from detector.backends.replay.snapshot import GpuSnapshot, Snapshot
 
 _MIB = 1024 * 1024
 _REASON_BITS = {

@@ -17,10 +17,10 @@ from __future__ import annotations
 import re
 
 from detector.backends.pciaddr import normalize_bus_id
-from fake_nvml.replay.fabric import health_lines
-from fake_nvml.replay.raw import RawLog, SnapshotError
-from fake_nvml.replay.snapshot import EccCounts, GpuSnapshot, Reasons, Snapshot
-from fake_nvml.replay.tree import Node
+from detector.backends.replay.fabric import health_lines
+from detector.backends.replay.raw import RawLog, SnapshotError
+from detector.backends.replay.snapshot import EccCounts, GpuSnapshot, Reasons, Snapshot
+from detector.backends.replay.tree import Node
 
 _NUMBER = re.compile(r"^[+-]?\d+(?:\.\d+)?")
 _YES = {"yes", "enabled", "active", "on", "true"}

@@ -83,7 +83,7 @@ class GpuSnapshot:
     fabric_status: str | None = None           # Success, or the NVML error text
     fabric_clique_id: int | None = None        # CliqueId / <cliqueId>
     fabric_cluster_uuid: str | None = None     # ClusterUUID / <clusterUuid>, as printed
-    # Fabric / Health lines that carry a value (summary, bandwidth, route_unhealthy ...: fake_nvml/replay/
+    # Fabric / Health lines that carry a value (summary, bandwidth, route_unhealthy ...: detector/backends/replay/
     # fabric.py); None when the output has no Health block (drivers before 550 print none)
     fabric_health: dict[str, str] | None = None
 

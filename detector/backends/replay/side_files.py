@@ -20,8 +20,8 @@ from pathlib import Path
 
 from detector.backends.safefile import UnsafeFile, read_bounded
 from detector.backends.system import parse_driver_version, parse_proc_modules
-from fake_nvml.replay.limits import MAX_SIDE_FILE_BYTES
-from fake_nvml.replay.raw import SnapshotError
+from detector.backends.replay.limits import MAX_SIDE_FILE_BYTES
+from detector.backends.replay.raw import SnapshotError
 
 MODULES, VERSION, DEV, NVLINK = "proc-modules.txt", "proc-driver-nvidia-version.txt", "dev-nvidia.txt", "nvidia-smi-nvlink.txt"
 _NVLINK_GPU = re.compile(r"^GPU (\d+): .*?(?:\(UUID: (GPU-[0-9a-fA-F-]+)\))?\s*$")

@@ -10,9 +10,9 @@ from __future__ import annotations
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
 
-from fake_nvml.replay.limits import MAX_DEPTH
-from fake_nvml.replay.raw import RawLog, SnapshotError
-from fake_nvml.replay.tree import Node, norm
+from detector.backends.replay.limits import MAX_DEPTH
+from detector.backends.replay.raw import RawLog, SnapshotError
+from detector.backends.replay.tree import Node, norm
 
 ROOT = "nvidia_smi_log"
 

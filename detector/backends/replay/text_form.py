@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import re
 
-from fake_nvml.replay.limits import MAX_DEPTH
-from fake_nvml.replay.raw import RawLog, SnapshotError
-from fake_nvml.replay.tree import Node, norm
+from detector.backends.replay.limits import MAX_DEPTH
+from detector.backends.replay.raw import RawLog, SnapshotError
+from detector.backends.replay.tree import Node, norm
 
 BANNER = "NVSMI LOG"
 _FOREIGN_BANNER = re.compile(r"^=+\s*([A-Z][A-Z0-9 -]*?)\s+LOG\s*=+$")     # hl-smi: "==== HL-SMI LOG ===="

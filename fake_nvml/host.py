@@ -24,6 +24,7 @@ from fake_nvml.node import FakeNode
 from fake_nvml.nvml import FakeNvml
 from fake_nvml.pci import FakePciBus
 from fake_nvml.smi import run_smi
+from fake_nvml.smi_xml import query_xml
 from fake_nvml.system import fake_system
 
 
@@ -40,8 +41,20 @@ class InProcessSmi:
             self._sleep(min(state.smi_hang_s, timeout_s))
             if state.smi_hang_s >= timeout_s:
                 return SmiOutcome("timeout", detail=f"nvidia-smi did not finish within {timeout_s:g}s")
+        if args == ["-q", "-x"] and state.driver_loaded:
+            return SmiOutcome("ok", 0, _query_xml(self.node), "")
         result = run_smi(state, args)
         return SmiOutcome("ok", result.returncode, result.stdout, result.stderr)
+
+
+def _query_xml(node: FakeNode) -> str:
+    """`nvidia-smi -q -x` of the node, read through its own NVML as nvidia-smi reads the real one."""
+    nvml = FakeNvml(node)
+    nvml.nvmlInit()
+    try:
+        return query_xml(nvml)
+    finally:
+        nvml.nvmlShutdown()
 
 
 def fake_host(node: FakeNode, *, sysfs_root: Path | None = None, smi_command: list[str] | None = None,

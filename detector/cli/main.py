@@ -138,12 +138,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "fleet files, POST /faults and the gpu-npd.io/inject-fault annotation")
     s.set_defaults(func=cmd_scenarios)
 
+    from detector.cli.bundle import add_bundle_parser
     from detector.cli.daemon import add_daemon_parsers
     from detector.cli.demo import add_demo_parser
     from detector.cli.fleet import add_fleet_parser
     from detector.cli.simulate import add_simulate_parser
 
     add_daemon_parsers(sub)
+    add_bundle_parser(sub)
     add_demo_parser(sub)
     add_simulate_parser(sub)
     add_fleet_parser(sub)
@@ -164,6 +166,10 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
             raise UsageError("--expect-gpus must be at least 1")
         overrides["visibility"] = {"expected_gpus": args.expect_gpus}
     selected = args.checks
+    if not args.kernel_log and args.nvml.startswith("replay:"):
+        kept = _replay_kernel_log(args.nvml.partition(":")[2])
+        if kept is not None:                   # a bundle's kernel log: the XID and driver-line rules read it
+            overrides["xid"] = {"kernel_log_file": str(kept)}
     if args.kernel_log:
         try:
             saved_logs(args.kernel_log)
@@ -214,6 +220,16 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
     else:
         print(render_table(diagnosis))
     return EXIT_PROBLEMS if diagnosis.problems else EXIT_HEALTHY
+
+
+def _replay_kernel_log(path: str) -> Path | None:
+    from detector.backends.replay.raw import SnapshotError
+    from detector.cli.replay_host import replay_kernel_log
+
+    try:
+        return replay_kernel_log(Path(path)) if path.strip() else None
+    except SnapshotError as e:
+        raise BackendError(f"--nvml replay: {e}") from None
 
 
 def _nccl_overrides(args: argparse.Namespace) -> dict:

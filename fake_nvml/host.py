@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 from typing import Callable
@@ -42,9 +43,20 @@ class InProcessSmi:
             if state.smi_hang_s >= timeout_s:
                 return SmiOutcome("timeout", detail=f"nvidia-smi did not finish within {timeout_s:g}s")
         if args == ["-q", "-x"] and state.driver_loaded:
-            return SmiOutcome("ok", 0, _query_xml(self.node), "")
+            return _query_xml_within(self.node, timeout_s)
         result = run_smi(state, args)
         return SmiOutcome("ok", result.returncode, result.stdout, result.stderr)
+
+
+def _query_xml_within(node: FakeNode, timeout_s: float) -> SmiOutcome:
+    """nvidia-smi -q reads NVML: on a node whose NVML hangs it hangs too, and is given up as the real one is."""
+    result: list[str] = []
+    worker = threading.Thread(target=lambda: result.append(_query_xml(node)), name="fake-smi-q", daemon=True)
+    worker.start()
+    worker.join(timeout_s)
+    if not result:
+        return SmiOutcome("timeout", detail=f"nvidia-smi did not finish within {timeout_s:g}s")
+    return SmiOutcome("ok", 0, result[0], "")
 
 
 def _query_xml(node: FakeNode) -> str:

@@ -3,7 +3,7 @@ error counters, field values, link states, the recovery action as a field, fabri
 every per-GPU NVML read its own diagnose made (`NvmlRecorder`); the replay answers those same reads from it
 (`RecordedNvml`) and everything else from the capture, so diagnosing a bundle gives the problems the node gave.
 
-The file format (version 1): {"version": 1, "gpus": {"<index>": {"bus_id": ..., "calls": {KEY: ANSWER}}}},
+The file format (version 1): {"version": 1, "gpus": {"<PCI bus id>": {"index": ..., "calls": {KEY: ANSWER}}}},
 KEY the call's name and its simple arguments as JSON (`nvmlDeviceGetNvLinkState [3]`), field values one
 per field as `field <id> <scope>`; ANSWER {"v": value} or {"e": NVML error code}, a structure as
 {"s": {field: ANSWER-value}}. Only reads are recorded (`nvmlDeviceGet*`); a recorded call that fails
@@ -20,6 +20,8 @@ from types import SimpleNamespace
 from typing import Any, Hashable
 
 import pynvml
+
+from detector.backends.pciaddr import normalize_bus_id
 
 from detector.backends.replay.limits import MAX_CAPTURE_BYTES
 from detector.backends.replay.raw import SnapshotError
@@ -169,11 +171,12 @@ class NvmlRecorder:
             if key in calls or len(calls) < MAX_CALLS_PER_GPU:
                 calls[key] = answer
 
-    def to_json(self, bus_ids: dict[int, str] | None = None) -> dict[str, Any]:
+    def to_json(self, bus_ids: dict[int, str | None]) -> dict[str, Any]:
+        """By bus id (an index shifts when a GPU is lost); a GPU whose bus id is unknown is left out."""
         with self._lock:
             return {"version": VERSION,
-                    "gpus": {str(i): {"bus_id": (bus_ids or {}).get(i), "calls": dict(calls)}
-                             for i, calls in sorted(self.gpus.items())}}
+                    "gpus": {bus_ids[i]: {"index": i, "calls": dict(calls)}
+                             for i, calls in sorted(self.gpus.items()) if bus_ids.get(i)}}
 
 
 def _hashable(handle: Any) -> Hashable | None:
@@ -193,9 +196,9 @@ class RecordedNvml:
     """A replay's NVML (ReplayNvml) that answers the reads a recording holds as NVML answered them at capture,
     and passes everything else to the capture's answers."""
 
-    def __init__(self, replay: Any, recording: dict[int, dict[str, Any]]):
+    def __init__(self, replay: Any, recording: dict[str, dict[str, Any]]):
         self.wrapped = replay
-        self.recording = recording
+        self.recording = recording              # by normalised bus id
 
     def __getattr__(self, name: str) -> Any:
         value = getattr(self.wrapped, name)
@@ -203,7 +206,7 @@ class RecordedNvml:
             return value
 
         def read(*args: Any) -> Any:
-            calls = self.recording.get(getattr(args[0], "index", -1)) if args else None
+            calls = self.recording.get(self._bus(args[0])) if args else None
             if calls is None:
                 return value(*args)
             if name == "nvmlDeviceGetFieldValues":
@@ -222,6 +225,11 @@ class RecordedNvml:
         self.__dict__[name] = read
         return read
 
+    def _bus(self, handle: Any) -> str | None:
+        index = getattr(handle, "index", None)
+        gpus = self.wrapped.gpus
+        return gpus[index].bus_id if isinstance(index, int) and 0 <= index < len(gpus) else None
+
     @staticmethod
     def _fields(calls: dict[str, Any], values: Any) -> Any:
         """The capture's field values, each overwritten by the recorded one where there is one."""
@@ -237,8 +245,8 @@ class RecordedNvml:
         return values
 
 
-def read_recording(folder: Path) -> dict[int, dict[str, Any]] | None:
-    """`folder/nvml.json` by GPU index; None when absent. SnapshotError when it is there but not a recording."""
+def read_recording(folder: Path) -> dict[str, dict[str, Any]] | None:
+    """`folder/nvml.json` by GPU bus id (normalised); None when absent. SnapshotError when it is there but not a recording."""
     text = read_side_file(folder, RECORDING, MAX_CAPTURE_BYTES)
     if text is None:
         return None
@@ -248,12 +256,16 @@ def read_recording(folder: Path) -> dict[int, dict[str, Any]] | None:
     except json.JSONDecodeError as e:
         raise SnapshotError(f"{where}: line {e.lineno}: not JSON ({e.msg})") from None
     if not isinstance(data, dict) or data.get("version") != VERSION or not isinstance(data.get("gpus"), dict):
-        raise SnapshotError(f"{where}: expected {{\"version\": {VERSION}, \"gpus\": {{INDEX: {{\"calls\": ...}}}}}} "
+        raise SnapshotError(f"{where}: expected {{\"version\": {VERSION}, \"gpus\": {{BUS_ID: {{\"calls\": ...}}}}}} "
                             "(an NVML recording written by gpu-npd bundle)")
-    out: dict[int, dict[str, Any]] = {}
-    for index, gpu in data["gpus"].items():
+    out: dict[str, dict[str, Any]] = {}
+    for bus, gpu in data["gpus"].items():
         calls = gpu.get("calls") if isinstance(gpu, dict) else None
-        if not str(index).isdigit() or not isinstance(calls, dict):
-            raise SnapshotError(f"{where}: gpus.{index}: expected a GPU index with a \"calls\" object")
-        out[int(index)] = {k: v for k, v in calls.items() if isinstance(v, dict)}
+        try:
+            key = normalize_bus_id(bus)
+        except ValueError:
+            key = None
+        if key is None or not isinstance(calls, dict):
+            raise SnapshotError(f"{where}: gpus.{bus}: expected a GPU's PCI bus id with a \"calls\" object")
+        out[key] = {k: v for k, v in calls.items() if isinstance(v, dict)}
     return out

@@ -26,10 +26,13 @@ import random
 import threading
 import time
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Callable
 
 from detector.agent.active import ConditionStatus
 from detector.agent.agent import AgentSettings, AgentSink, NodeAgent
+from detector.agent.bundle_writer import BundleOptions, KernelLogTail, Manifest, Verdict, write_bundle
+from detector.agent.bundles import BUNDLES, BundleKeeper, KeeperSettings, kept_message
 from detector.agent.metrics import AgentMetrics
 from detector.core.check import Check
 from detector.core.deadline import Hung, call_with_deadline
@@ -48,6 +51,8 @@ from detector.kube.reporter import KubeReporter, ReporterSettings
 from detector.rules.loader import RuleSet
 
 log = logging.getLogger("gpu_npd.daemon")
+EVIDENCE_KEPT = "EvidenceKept"    # the Event naming a bundle kept on the node
+HISTORY_FILE = "history.json"     # the node check's per-GPU history in the state dir (checks/node/history.py)
 
 EXIT_OK = 0
 ALLOCATABLE_CHECK = "allocatable"   # compares the node's advertised GPUs with NVML's: reads ResourceSlices
@@ -67,6 +72,7 @@ class DaemonSettings:
     watch_kernel_log: bool = True
     dra_taints: DeviceTaintSettings | None = None     # opt-in DRA device taints (--dra-taints)
     node_watch: NodeWatchSettings | None = field(default_factory=NodeWatchSettings)   # None: --no-node-watch
+    bundles: KeeperSettings | None = field(default_factory=KeeperSettings)   # None: keep no evidence bundles
 
 
 class LogSink(AgentSink):
@@ -89,7 +95,10 @@ class LogSink(AgentSink):
 
 class Daemon:
     def __init__(self, host: Host, checks: list[Check], ruleset: RuleSet, api: KubeApi | None,
-                 settings: DaemonSettings | None = None, clock: Callable[[], float] = time.time):
+                 settings: DaemonSettings | None = None, clock: Callable[[], float] = time.time,
+                 fresh_checks: Callable[[], list[Check]] | None = None, verdict: Verdict | None = None):
+        """`fresh_checks`: new instances of the checks, for an evidence bundle's own diagnose (the agent's
+        are busy and keep state); `verdict`: the bundle's verdict.json (diagnose -o json's document)."""
         self.host, self.settings, self.clock = host, settings or DaemonSettings(), clock
         self.stop = threading.Event()
         self.metrics = AgentMetrics()
@@ -117,6 +126,8 @@ class Daemon:
             host.node_status = self.node_watch.current
         sinks = [self.metrics, LogSink()] + ([self.reporter] if self.reporter else [])
         sinks += [self.device_taints] if self.device_taints else []
+        self.bundles = self._bundle_keeper(ruleset, fresh_checks, verdict)
+        sinks += [self.bundles] if self.bundles else []
         agent_settings = replace(self.settings.agent,
                                  message_limit=min(self.settings.agent.message_limit, MESSAGE_LIMIT - len(MARKER)))
         self.agent = NodeAgent(host, checks, ruleset, sinks, agent_settings, clock, rng)
@@ -130,6 +141,33 @@ class Daemon:
         if api is not None:                   # with --no-kube there is nothing to report to: no gauge
             self.metrics.reporting_from(lambda: self.readiness()[0])
         self.endpoints = Endpoints(self.settings.listen, self.metrics.registry, self.health, self.readiness)
+
+    def _bundle_keeper(self, ruleset: RuleSet, fresh_checks: Callable[[], list[Check]] | None,
+                       verdict: Verdict | None) -> BundleKeeper | None:
+        """Evidence bundles under <state dir>/bundles (detector/agent/bundles.py); none without a state dir."""
+        settings, state_dir = self.settings.bundles, self.settings.agent.state_dir
+        if settings is None:
+            return None
+        if state_dir is None:
+            log.info("no --state-dir: no evidence bundles are kept when a GPU fails")
+            return None
+        host = self.host
+        tail = KernelLogTail(host.kernel_log) if host.kernel_log is not None else None
+        if tail is not None:
+            host.kernel_log = tail            # the kernel log a bundle keeps, as the agent reads it
+        judge = verdict or _plain_verdict
+
+        def write(out: Path, options: BundleOptions) -> Manifest:
+            return write_bundle(host, fresh_checks() if fresh_checks else [], ruleset, out, options, judge,
+                                tail.lines() if tail is not None else None)
+
+        settings = replace(settings, remediation_types=self.settings.agent.remediation_types)
+        return BundleKeeper(state_dir / BUNDLES, write, settings, self._evidence_kept, state_dir / HISTORY_FILE)
+
+    def _evidence_kept(self, out: Path, manifest: Manifest) -> None:
+        if self.reporter is not None:
+            self.reporter.event_out.record("Normal", EVIDENCE_KEPT, kept_message(out, manifest)[:MESSAGE_LIMIT])
+            self.reporter.wake.set()
 
     def health(self) -> tuple[bool, str]:
         """Liveness: the daemon's own loops are turning. Never the API server's state."""
@@ -171,6 +209,9 @@ class Daemon:
             threads.append(self._spawn("dra-taints", lambda: taints.run(self.stop)))
         if self._split_lanes:
             threads.append(self._spawn("prober", self._probe_loop))
+        if self.bundles is not None:
+            bundles = self.bundles
+            threads.append(self._spawn("bundles", lambda: bundles.run(self.stop)))
         reader = self.host.kernel_log
         if (self.settings.watch_kernel_log and reader is not None and getattr(reader, "wait_is_cheap", True)
                 and hasattr(reader, "wait") and any(c.name == "xid" for c in self.agent.checks)):
@@ -304,3 +345,10 @@ class Daemon:
             call_with_deadline(self.reporter.flush, FINAL_SEND_S, "the final send")
         except Exception as e:  # noqa: BLE001 - Hung included: the pod's grace period is short
             log.warning("final send failed: %s", e)
+
+
+def _plain_verdict(sweep, problems) -> dict:
+    """The verdict when the caller gives none: the node, its GPUs and the problems found."""
+    return {"node": sweep.node, "gpus": [{"index": g.index, "uuid": g.uuid, "pci_bus_id": g.pci_bus_id}
+                                         for g in sweep.inventory.gpus],
+            "problems": [p.to_dict() for p in problems], "healthy": not problems}

@@ -68,7 +68,8 @@ def write_bundles(state: Path) -> dict[str, Path]:
         return path
 
     bundle("20260301T101500Z-xid", json.dumps(manifest(
-        [{"index": 3, "serial": SERIAL_A, "uuid": UUID_A, "pci_bus_id": BUS_A, "model": "NVIDIA H100 80GB HBM3"}],
+        [{"index": 0, "serial": "1654922000000", "uuid": "GPU-0", "pci_bus_id": "0000:18:00.0", "model": "other"},
+         {"index": 3, "serial": SERIAL_A, "uuid": UUID_A, "pci_bus_id": BUS_A, "model": "NVIDIA H100 80GB HBM3"}],
         "2026-03-01T10:15:00Z")))
     bundle("20260302T080000Z-remap", json.dumps(manifest(        # GPU B, lost: the bundle knows its UUID only
         [{"index": 1, "serial": None, "uuid": UUID_B, "pci_bus_id": "0000:3a:00.0"}], "2026-03-02T08:00:00Z")))

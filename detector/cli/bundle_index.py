@@ -40,6 +40,16 @@ class BundleGpu:
     pci_bus_id: str | None
     model: str | None = None
 
+    def same(self, serial: str | None, uuid: str | None, pci_bus_id: str | None) -> bool:
+        """Whether this is the GPU of these identities: by serial when both know one, else by UUID when both
+        know one, else by bus id (a bus id alone matches only a GPU known by nothing better, since another
+        board may sit in that slot now)."""
+        if serial and self.serial:
+            return serial == self.serial
+        if uuid and self.uuid:
+            return uuid == self.uuid
+        return bool(pci_bus_id and self.pci_bus_id and bus_id(pci_bus_id) == bus_id(self.pci_bus_id))
+
 
 @dataclass(frozen=True)
 class Bundle:
@@ -52,20 +62,9 @@ class Bundle:
     redacted: bool | None
     truncated: bool | None
 
-    def names(self, serial: str | None, uuid: str | None, pci_bus_id: str | None) -> bool:
-        """Whether this bundle names the GPU of these identities: by serial when both know one, else by
-        UUID when both know one, else by bus id (a bus id alone matches only a GPU known by nothing better,
-        since another board may sit in that slot now)."""
-        for g in self.gpus:
-            if serial and g.serial:
-                if serial == g.serial:
-                    return True
-            elif uuid and g.uuid:
-                if uuid == g.uuid:
-                    return True
-            elif pci_bus_id and g.pci_bus_id and bus_id(pci_bus_id) == bus_id(g.pci_bus_id):
-                return True
-        return False
+    def names(self, serial: str | None, uuid: str | None, pci_bus_id: str | None) -> BundleGpu | None:
+        """The entry of this bundle that is the GPU of these identities (BundleGpu.same), None if none is."""
+        return next((g for g in self.gpus if g.same(serial, uuid, pci_bus_id)), None)
 
     def to_dict(self) -> dict[str, Any]:
         return {"path": str(self.path), "created": self.created or None, "bytes": self.bytes,

@@ -70,10 +70,10 @@ def rma_report(gpus: list[GpuRecord], bundles: list[Bundle], *, node: str, now: 
     since = now - flaky_window_s
     out = []
     for record in gpus:
-        named = tuple(b for b in bundles if b.names(record.serial, record.uuid, record.pci_bus_id))
+        named = tuple(b for b in bundles if b.names(record.serial, record.uuid, record.pci_bus_id) is not None)
         in_window = len(record.boots_since(since))
-        model = next((g.model for b in named for g in b.gpus if g.model and
-                      b.names(record.serial, record.uuid, record.pci_bus_id)), None)
+        entries = (b.names(record.serial, record.uuid, record.pci_bus_id) for b in named)
+        model = next((g.model for g in entries if g is not None and g.model), None)
         out.append(RmaGpu(record, len({i.boot for i in record.incidents}), in_window, in_window >= flaky_boots,
                           named, model))
     out.sort(key=lambda g: (-len(g.record.incidents), -g.boots,

@@ -111,6 +111,7 @@ class NodeAgent:
         self._known_gpus: dict[str, GpuRef] = {}   # every GPU seen: one lost from NVML keeps its row
         self._serials: dict[str, str] = {}         # gpu_key -> serial, for histories kept by serial
         self._incidents: dict[str, int] = {}       # gpu_key -> incidents, from the node check
+        self._incident_boots: dict[str, int] = {}  # gpu_key -> distinct boots with an incident, from the node check
         self._health: dict[str, GpuHealth] = {}    # gpu_key -> the GPU as last judged: its state's since
         self._domain = DomainFacts()               # each GPU's NVLink clique and link-level XID (fabric, xid)
         self._lock = threading.Lock()          # the schedule
@@ -254,6 +255,7 @@ class NodeAgent:
             health = [replace(h, verifying=live.get(gpu_key(h.gpu)) != h.state) for h in health]
         cliques, links = self._domain.cliques, self._domain.link_xids
         health = carry_since([replace(h, incidents=self._incidents.get(gpu_key(h.gpu), 0),
+                                      boots=self._incident_boots.get(gpu_key(h.gpu), 0),
                                       serial=self._serials.get(gpu_key(h.gpu), ""),
                                       clique=cliques.get(gpu_key(h.gpu), ""), link_xid=links.get(gpu_key(h.gpu)))
                               for h in health], self._health)
@@ -305,6 +307,7 @@ class NodeAgent:
         for run, found in judge_node(checks, view, evaluate, holding):
             if run.result is not None and "incidents" in run.result:
                 self._incidents = dict(run.result["incidents"])
+                self._incident_boots = dict(run.result.get("incident_boots", {}))
             result.runs.append(run)
             problems.extend(found)
             self._attempted.add(run.name)

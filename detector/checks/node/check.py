@@ -101,7 +101,9 @@ class NodeStateCheck(NodeCheck):
             log.warning("cannot save the GPU history in %s: %s", view.state_dir, e)
         observations = [self._node_observation(history, view), *self._gpu_observations(history, view)]
         incidents = {gpu_key(o.gpu): o.fields["incidents"] for o in observations if o.gpu is not None}
-        return CheckOutput(observations, result={"incidents": incidents}, summary=_summary(observations))
+        boots = {gpu_key(o.gpu): o.fields["incident_boots"] for o in observations if o.gpu is not None}
+        return CheckOutput(observations, result={"incidents": incidents, "incident_boots": boots},
+                           summary=_summary(observations))
 
     # -- history --------------------------------------------------------------------------------------
 

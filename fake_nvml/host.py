@@ -23,7 +23,7 @@ from fake_nvml.nccl import FakeNcclProbe
 from fake_nvml.node import FakeNode
 from fake_nvml.nvml import FakeNvml
 from fake_nvml.pci import FakePciBus
-from fake_nvml.smi import run_smi
+from fake_nvml.smi import run_smi, smi_fault
 from fake_nvml.system import fake_system
 
 
@@ -41,6 +41,8 @@ class InProcessSmi:
             if state.smi_hang_s >= timeout_s:
                 return SmiOutcome("timeout", detail=f"nvidia-smi did not finish within {timeout_s:g}s")
         result = run_smi(state, args)
+        for action in result.actions:           # -r and -pm change the node, seen by every source at once
+            self.node.inject(smi_fault(action))
         return SmiOutcome("ok", result.returncode, result.stdout, result.stderr)
 
 

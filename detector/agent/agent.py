@@ -118,6 +118,8 @@ class NodeAgent:
         self._judging = threading.Lock()       # what runs concluded: held problems, sinks
         self.warnings: list[str] = []
         self._refused_clear: tuple[int, int] | None = None   # the unusable clear request last warned of
+        # GPUs whose reset failed or did not cure in this boot (the GPU resetter's, with --reset-gpus)
+        self.reset_failed: Callable[[], Sequence[str]] = lambda: ()
         self._restore()
 
     # -- scheduling -----------------------------------------------------------------------------
@@ -292,7 +294,8 @@ class NodeAgent:
                         visible=tuple(g.ref() for g in inventory.gpus), node_status=status,
                         uptime_s=self.host.uptime_s(), agent_age_s=now - self._started,
                         pending=tuple(sorted(self._scheduled - self._ran_in(boot))),
-                        maintenance=status.maintenance(self.settings.maintenance_annotation) if status else "")
+                        maintenance=status.maintenance(self.settings.maintenance_annotation) if status else "",
+                        reset_failed=tuple(self.reset_failed()))
         changed = False
 
         def evaluate(run: CheckRun) -> list[Problem]:
@@ -364,6 +367,18 @@ class NodeAgent:
             return not any(l.problem.type in self.settings.withdrawing_types for l in self.active.latches.values())
         return (
             problem.severity is Severity.CRITICAL and bool(problem.gpus) and problem.action not in APPLICATION_ACTIONS)
+
+    def report_events(self, problems: list[Problem]) -> None:
+        """Events from outside a sweep (the GPU resetter's), to every sink in turn, as a sweep's would go."""
+        with self._judging:
+            for sink in self.sinks:
+                sink.events(problems)
+
+    def kick_all(self) -> None:
+        """Run every scheduled check as soon as possible (a GPU was just reset: judge it at once)."""
+        with self._lock:
+            for name in self._next:
+                self._next[name] = 0.0
 
     def clear(self, types: set[str] | None = None) -> None:
         """An operator's clear of held conditions (all types when None)."""

@@ -188,6 +188,21 @@ def _recover(f: FaultArgs, state: NodeState, gpu: FakeGpu | None, node: FakeNode
         module.heal(state, gpus, gpu is None)
 
 
+def _gpu_reset(f: FaultArgs, state: NodeState, gpu: FakeGpu | None, node: FakeNode) -> None:
+    """`nvidia-smi -r` went through (fake_nvml/smi.py checked it may): the GPU is back to its healthy
+    baseline as by `recover`, unless its fault is one a reset does not cure (reset_cures false)."""
+    assert gpu is not None
+    if gpu.reset_cures:
+        _recover(f, state, gpu, node)
+
+
+def _holder(f: FaultArgs, state: NodeState, gpu: FakeGpu | None, node: FakeNode) -> None:
+    """A process holds the GPU without working on it (a monitoring client, a stuck job): no utilization."""
+    assert gpu is not None
+    gpu.processes = [(f.params.get("pid", 4242), f.params.get("memory_mib", 512))]
+    gpu.memory_used_mib = sum(m for _, m in gpu.processes)
+
+
 def _reboot(f: FaultArgs, state: NodeState, gpu: FakeGpu | None, node: FakeNode) -> None:
     """Repaired as by `recover`, then booted afresh, so the driver's load lines follow the repair."""
     _recover(f, state, None, node)
@@ -233,6 +248,16 @@ FAULTS: tuple[FaultKind, ...] = (
               "the GPU's VBIOS is updated to this version (NVML reports it from now on)"),
     FaultKind("recover", False, {}, (), _recover,
               "reset a GPU (with gpu) or repair the node (without) back to healthy"),
+    FaultKind("gpu_reset", True, {}, (), _gpu_reset,
+              "what `nvidia-smi -r` does to the GPU it reset: back to healthy unless reset_uncured"),
+    FaultKind("reset_uncured", True, {}, (), set_field("reset_cures", None, False),
+              "the GPU's faults are ones a GPU reset does not cure: a reset goes through and changes nothing"),
+    FaultKind("reset_unsupported", False, {}, (), set_field("reset_unsupported", None, True),
+              "the platform refuses GPU resets (nvidia-smi -r: not supported), as a VM whose hypervisor blocks FLR"),
+    FaultKind("process_holds", True, {"pid": int, "memory_mib": int}, (), _holder,
+              "a process holds the GPU (NVML lists it) without load: a reset is refused while it is there"),
+    FaultKind("persistence", True, {"on": bool}, ("on",), set_field("persistence_mode", "on"),
+              "persistence mode set on or off (nvidia-smi -pm)"),
     FaultKind("reboot", False, {}, (), _reboot,
               "the node reboots: a new boot id, a kernel log started afresh, the driver loaded, every GPU healthy"),
 )

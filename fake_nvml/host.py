@@ -26,6 +26,7 @@ from fake_nvml.nvml import FakeNvml
 from fake_nvml.pci import FakePciBus
 from fake_nvml.smi import EXIT_DRIVER_NOT_LOADED, EXIT_NOT_FOUND, EXIT_OTHER, run_smi
 from fake_nvml.smi_xml import query_xml
+from fake_nvml.smi import run_smi, smi_fault
 from fake_nvml.system import fake_system
 
 
@@ -48,6 +49,8 @@ class InProcessSmi:
                 return SmiOutcome("ok", first.returncode, first.stdout, first.stderr)
             return _query_xml_within(self.node, timeout_s)
         result = run_smi(state, args)
+        for action in result.actions:           # -r and -pm change the node, seen by every source at once
+            self.node.inject(smi_fault(action))
         return SmiOutcome("ok", result.returncode, result.stdout, result.stderr)
 
 

@@ -89,6 +89,7 @@ class FakeGpu:
     nvml_visible: bool = True        # False: on the PCI bus, but the driver never attached
     nvml_hang_s: float = 0.0         # NVML calls touching this GPU block this long
     nvml_slow_s: float = 0.0         # NVML calls touching this GPU take this much longer (fake_nvml/nvml_latency.py)
+    reset_cures: bool = True         # False: a GPU reset leaves its faults as they are (a reset that does not cure)
 
     @property
     def idle(self) -> bool:
@@ -143,6 +144,7 @@ class NodeState:
     nvswitches: list[NvSwitch] = field(default_factory=list)
     driver_loaded: bool = True
     smi_hang_s: float = 0.0
+    reset_unsupported: bool = False     # the platform refuses GPU resets (a VM whose hypervisor blocks FLR)
     nccl_busbw_factor: float = 1.0   # measured NCCL bus bandwidth relative to the healthy figure
     nccl_hang_s: float = 0.0         # the NCCL probe hangs this long (a wedged collective)
     nccl_wrong: int = 0              # elements an all-reduce gets wrong (silent data corruption)

@@ -15,6 +15,12 @@ Real-format facts it relies on:
   `nvml_bus_id()` minus its first four zeros), two spaces after the full stop -- and the exit code
   is 15 (NVML_ERROR_GPU_IS_LOST). `-L` and `--query-gpu` print that line in the GPU's place and
   go on with the others; the summary table prints only such lines and no table.
+- `-r`/`--gpu-reset` and `-pm`/`--persistence-mode` change the node: `run_smi` stays pure and returns what
+  to change (`SmiResult.actions`), which the in-process runner injects into the fake node and `main` writes
+  back to the state file. Their answers are the real tool's (tests/fixtures/gpu_reset/SOURCE.md): a GPU with
+  a process on it or persistence mode on is `In use by another client` (exit 255, NVSentinel #1690), a node
+  whose platform blocks resets `Resetting GPU ... is not supported.` (gpu-operator #1606; exit 3, "the
+  requested operation is not available on target device", nvidia-smi(1) RETURN VALUE).
 - `run_smi` is pure (no sleeping, no I/O); `main` adds the environment, the hang and the streams.
 
 Usage: `fake-nvidia-smi -L` with GPU_NPD_FAKE_STATE (a state file) or GPU_NPD_FAKE_SCENARIO set.
@@ -38,6 +44,7 @@ from fake_nvml.statefile import SCENARIO_ENV, STATE_ENV, load_state
 # Exit codes from nvidia-smi(1), RETURN VALUE.
 EXIT_OK = 0
 EXIT_INVALID_ARGUMENT = 2
+EXIT_NOT_AVAILABLE = 3                 # "The requested operation is not available on target device"
 EXIT_NOT_FOUND = 6
 EXIT_DRIVER_NOT_LOADED = 9
 EXIT_GPU_IS_LOST = 15
@@ -60,6 +67,7 @@ class SmiResult:
     returncode: int
     stdout: str
     stderr: str
+    actions: tuple[tuple[str, int, bool], ...] = ()   # (what, GPU index, value): "reset" or "persistence"
 
 
 class _UsageError(Exception):
@@ -68,17 +76,20 @@ class _UsageError(Exception):
 
 @dataclass(frozen=True)
 class _Args:
-    mode: str                         # "table", "list", "query" or "help"
+    mode: str                         # "table", "list", "query", "help", "reset" or "persistence"
     ids: tuple[str, ...] | None       # -i/--id targets; None: every GPU
     fields: tuple[str, ...] = ()      # canonical --query-gpu field names
     header: bool = True
     units: bool = True
+    persistence: bool = False         # -pm's value
 
 
 # -- argument parsing -----------------------------------------------------------------------------
 
-_FLAGS = {"-h": "help", "--help": "help", "-L": "list", "--list-gpus": "list"}
-_VALUED = {"-i": "id", "--id": "id", "--query-gpu": "query", "--format": "format"}
+_FLAGS = {"-h": "help", "--help": "help", "-L": "list", "--list-gpus": "list", "-r": "reset", "--gpu-reset": "reset"}
+_VALUED = {"-i": "id", "--id": "id", "--query-gpu": "query", "--format": "format", "-pm": "persistence",
+           "--persistence-mode": "persistence"}
+_PM_VALUES = {"0": False, "DISABLED": False, "1": True, "ENABLED": True}
 
 
 def _tokens(argv: list[str]) -> list[tuple[str, str | None]]:
@@ -113,11 +124,25 @@ def _parse_args(argv: list[str]) -> _Args:
     ids = tuple(i.strip() for i in opts["id"].split(",")) if opts.get("id") is not None else None
     if "help" in opts:
         return _Args("help", None)
+    if "reset" in opts or "persistence" in opts:
+        return _change_args(opts, ids)
     if "query" in opts:
         return _query_args(opts["query"] or "", opts.get("format"), ids, "list" in opts)
     if "format" in opts:
         raise _UsageError(_INVALID_COMBINATION)            # --format means nothing without a query
     return _Args("list" if "list" in opts else "table", ids)
+
+
+def _change_args(opts: dict[str, str | None], ids: tuple[str, ...] | None) -> _Args:
+    """-r or -pm VALUE, each alone (with -i at most)."""
+    if set(opts) - {"id"} not in ({"reset"}, {"persistence"}):
+        raise _UsageError(_INVALID_COMBINATION)
+    if "reset" in opts:
+        return _Args("reset", ids)
+    value = (opts["persistence"] or "").upper()
+    if value not in _PM_VALUES:
+        raise _UsageError(f"ERROR: Invalid value for persistence mode: {opts['persistence']}. {_HELP_HINT}\n\n")
+    return _Args("persistence", ids, persistence=_PM_VALUES[value])
 
 
 def _query_args(fields_text: str, format_text: str | None, ids: tuple[str, ...] | None,
@@ -344,6 +369,45 @@ def _process_row(index: int, pid: int, mib: int) -> str:
     return f"|{index:>5}   N/A  N/A{pid:>10}{'C':>7}   {name:<42}{str(mib) + 'MiB':>10} |\n"
 
 
+# -- -r and -pm ------------------------------------------------------------------------------------
+
+_IN_USE_TAIL = ("currently being used by one or more other processes (e.g., Fabric Manager, CUDA application, "
+                "graphics application such as an X server, or a monitoring application such as another instance "
+                "of nvidia-smi). Please first kill all processes using {} and all compute applications running "
+                "in the system.\n")
+
+
+def _reset(state: NodeState, gpus: list[tuple[int, FakeGpu]]) -> SmiResult:
+    """Every GPU named is reset, or none: a GPU held by a process or by persistence mode refuses the lot."""
+    lost = [g for _, g in gpus if g.lost]
+    if lost:
+        return SmiResult(EXIT_GPU_IS_LOST, "".join(_lost_line(g) for g in lost), "")
+    if state.reset_unsupported:
+        return SmiResult(EXIT_NOT_AVAILABLE, "".join(
+            f"Resetting GPU {nvml_bus_id(g.pci_bus_id)} is not supported.\n" for _, g in gpus), "")
+    held = [g for _, g in gpus if g.processes or g.persistence_mode]
+    if held:
+        one = len(held) == 1
+        count = "1 device is" if one else f"{len(held)} devices are"
+        return SmiResult(EXIT_OTHER, "The following GPUs could not be reset:\n" + "".join(
+            f"  GPU {nvml_bus_id(g.pci_bus_id)}: In use by another client\n" for g in held)
+            + f"\n{count} " + _IN_USE_TAIL.format("this device" if one else "these devices"), "")
+    return SmiResult(EXIT_OK, "".join(f"GPU {nvml_bus_id(g.pci_bus_id)} was successfully reset.\n" for _, g in gpus)
+                     + "All done.\n", "", tuple(("reset", g.index, True) for _, g in gpus))
+
+
+def _persistence(gpus: list[tuple[int, FakeGpu]], on: bool) -> SmiResult:
+    lines, actions = [], []
+    for _, g in gpus:
+        word = "Enabled" if on else "Disabled"
+        if g.persistence_mode == on:
+            lines.append(f"Persistence mode is already {word} for GPU {nvml_bus_id(g.pci_bus_id)}.\n")
+        else:
+            lines.append(f"{word} persistence mode for GPU {nvml_bus_id(g.pci_bus_id)}.\n")
+            actions.append(("persistence", g.index, on))
+    return SmiResult(EXIT_OK, "".join(lines) + "All done.\n", "", tuple(actions))
+
+
 # -- help -------------------------------------------------------------------------------------------
 
 def _help(state: NodeState) -> str:
@@ -399,6 +463,10 @@ def run_smi(state: NodeState, argv: list[str], *, now: datetime | None = None) -
         return _list_gpus(gpus)
     if args.mode == "query":
         return _query(state, args, gpus)
+    if args.mode == "reset":
+        return _reset(state, gpus)
+    if args.mode == "persistence":
+        return _persistence(gpus, args.persistence)
     return _table(state, gpus, now or datetime.now())
 
 
@@ -437,10 +505,31 @@ def main(argv: list[str] | None = None, *, sleep: Callable[[float], None] = time
     if state.smi_hang_s > 0:
         sleep(state.smi_hang_s)            # a wedged nvidia-smi: callers must time it out
     result = run_smi(state, argv)
+    if result.actions and os.environ.get(STATE_ENV):
+        _write_back(Path(os.environ[STATE_ENV]), state, result.actions)
     sys.stdout.write(result.stdout)
     sys.stderr.write(result.stderr)
     sys.stdout.flush()
     return result.returncode
+
+
+def _write_back(path: Path, state: NodeState, actions: tuple[tuple[str, int, bool], ...]) -> None:
+    """A reset or persistence change made by this process, saved where the next run reads the node."""
+    from fake_nvml.node import FakeNode
+    from fake_nvml.statefile import save_state
+    node = FakeNode(state)
+    for action in actions:
+        node.inject(smi_fault(action))
+    save_state(node, path)
+
+
+def smi_fault(action: tuple[str, int, bool]) -> "object":
+    """The fault that makes one of run_smi's actions happen on a fake node."""
+    from fake_nvml.faults import Fault
+    what, index, value = action
+    if what == "reset":
+        return Fault("gpu_reset", gpu=index)
+    return Fault("persistence", gpu=index, params={"on": value})
 
 
 if __name__ == "__main__":

@@ -111,12 +111,15 @@ class NodeAgent:
         self._known_gpus: dict[str, GpuRef] = {}   # every GPU seen: one lost from NVML keeps its row
         self._serials: dict[str, str] = {}         # gpu_key -> serial, for histories kept by serial
         self._incidents: dict[str, int] = {}       # gpu_key -> incidents, from the node check
+        self._incident_boots: dict[str, int] = {}  # gpu_key -> distinct boots with an incident, from the node check
         self._health: dict[str, GpuHealth] = {}    # gpu_key -> the GPU as last judged: its state's since
         self._domain = DomainFacts()               # each GPU's NVLink clique and link-level XID (fabric, xid)
         self._lock = threading.Lock()          # the schedule
         self._judging = threading.Lock()       # what runs concluded: held problems, sinks
         self.warnings: list[str] = []
         self._refused_clear: tuple[int, int] | None = None   # the unusable clear request last warned of
+        # GPUs whose reset failed or did not cure in this boot (the GPU resetter's, with --reset-gpus)
+        self.reset_failed: Callable[[], Sequence[str]] = lambda: ()
         self._restore()
 
     # -- scheduling -----------------------------------------------------------------------------
@@ -254,6 +257,7 @@ class NodeAgent:
             health = [replace(h, verifying=live.get(gpu_key(h.gpu)) != h.state) for h in health]
         cliques, links = self._domain.cliques, self._domain.link_xids
         health = carry_since([replace(h, incidents=self._incidents.get(gpu_key(h.gpu), 0),
+                                      boots=self._incident_boots.get(gpu_key(h.gpu), 0),
                                       serial=self._serials.get(gpu_key(h.gpu), ""),
                                       clique=cliques.get(gpu_key(h.gpu), ""), link_xid=links.get(gpu_key(h.gpu)))
                               for h in health], self._health)
@@ -290,7 +294,8 @@ class NodeAgent:
                         visible=tuple(g.ref() for g in inventory.gpus), node_status=status,
                         uptime_s=self.host.uptime_s(), agent_age_s=now - self._started,
                         pending=tuple(sorted(self._scheduled - self._ran_in(boot))),
-                        maintenance=status.maintenance(self.settings.maintenance_annotation) if status else "")
+                        maintenance=status.maintenance(self.settings.maintenance_annotation) if status else "",
+                        reset_failed=tuple(self.reset_failed()))
         changed = False
 
         def evaluate(run: CheckRun) -> list[Problem]:
@@ -305,6 +310,7 @@ class NodeAgent:
         for run, found in judge_node(checks, view, evaluate, holding):
             if run.result is not None and "incidents" in run.result:
                 self._incidents = dict(run.result["incidents"])
+                self._incident_boots = dict(run.result.get("incident_boots", {}))
             result.runs.append(run)
             problems.extend(found)
             self._attempted.add(run.name)
@@ -361,6 +367,18 @@ class NodeAgent:
             return not any(l.problem.type in self.settings.withdrawing_types for l in self.active.latches.values())
         return (
             problem.severity is Severity.CRITICAL and bool(problem.gpus) and problem.action not in APPLICATION_ACTIONS)
+
+    def report_events(self, problems: list[Problem]) -> None:
+        """Events from outside a sweep (the GPU resetter's), to every sink in turn, as a sweep's would go."""
+        with self._judging:
+            for sink in self.sinks:
+                sink.events(problems)
+
+    def kick_all(self) -> None:
+        """Run every scheduled check as soon as possible (a GPU was just reset: judge it at once)."""
+        with self._lock:
+            for name in self._next:
+                self._next[name] = 0.0
 
     def clear(self, types: set[str] | None = None) -> None:
         """An operator's clear of held conditions (all types when None)."""

@@ -13,6 +13,7 @@ from typing import Any
 from detector.cli.history import add_history_parser
 from detector.agent.agent import (CLEAR_RESULT_FILE, CLEAR_RESULT_LIMIT, PROBLEMS_FILE, PROBLEMS_LIMIT, AgentSettings,
                                   read_json, write_clear_request)
+from detector.agent.gpu_reset import ResetSettings
 from detector.cli.signals import on_stop_signals
 from detector.core.nodestatus import MAINTENANCE_ANNOTATION
 from detector.daemon.logs import setup_logging
@@ -108,6 +109,17 @@ def add_daemon_parsers(sub: Any) -> None:
                    help="one evidence bundle at most this many MiB (default: 64)")
     r.add_argument("--bundle-no-redact", action="store_true",
                    help="keep addresses, host names and user names in evidence bundles (default: redacted)")
+    r.add_argument("--reset-gpus", action="store_true",
+                   default=_env("GPU_NPD_RESET_GPUS", "").lower() in ("1", "true", "yes"),
+                   help="reset a failed GPU whose action is RESET_GPU (nvidia-smi -r) instead of leaving it fenced "
+                        "until a reboot, once its DRA taint is written (needs --dra-taints) and no process uses it; "
+                        "one GPU at a time, at most one per --reset-interval per node and --reset-per-day per GPU; "
+                        "a reset that fails or does not cure asks for the node's remediation (docs/remediation.md) "
+                        "[GPU_NPD_RESET_GPUS] (default: off)")
+    r.add_argument("--reset-interval", type=float, default=600.0, metavar="S",
+                   help="at most one GPU reset per node this often (default 600)")
+    r.add_argument("--reset-per-day", type=int, default=2, metavar="N",
+                   help="at most N resets of one GPU within 24 h; past that it is escalated (default 2)")
     r.add_argument("--log-format", choices=("text", "json"), default=_env("GPU_NPD_LOG_FORMAT", "text"),
                    help="[GPU_NPD_LOG_FORMAT] (default: text)")
     r.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
@@ -159,6 +171,14 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     if not args.node_name:
         raise UsageError("no node name: set NODE_NAME (the DaemonSet sets it from spec.nodeName) or --node-name")
+    if args.reset_gpus and not args.dra_taints:
+        raise UsageError("--reset-gpus needs --dra-taints: a GPU is reset only once its DRA device taint fences "
+                         "it (no new work lands on it); nothing else fences one GPU")
+    if args.reset_gpus and args.no_kube:
+        raise UsageError("--reset-gpus needs the API server (its DRA device taint fences the GPU): not with --no-kube")
+    if args.reset_interval < 0 or args.reset_per_day < 1:
+        raise UsageError(f"--reset-interval {args.reset_interval:g} / --reset-per-day {args.reset_per_day}: "
+                         "expected 0 or more seconds and at least 1 reset")
     if args.verify_sweeps < 0:
         raise UsageError(f"--verify-sweeps {args.verify_sweeps}: expected 0 (trust a cure at once) or more rounds")
     setup_logging(args.log_format, args.log_level, args.node_name)
@@ -194,6 +214,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         if args.dra_taints and not args.no_kube else None,
         node_watch=None if args.no_node_watch else NodeWatchSettings(),
         bundles=_keeper_settings(args),
+        gpu_reset=ResetSettings(min_interval_s=args.reset_interval, per_gpu_per_day=args.reset_per_day)
+        if args.reset_gpus else None,
     )
     try:
         daemon = Daemon(host, checks, ruleset, api, settings,

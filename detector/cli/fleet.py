@@ -15,7 +15,7 @@ from typing import Any, Sequence
 
 from detector.core.domain_origin import DomainGpu, DomainVerdict
 from detector.kube.api import ApiError
-from detector.kube.fleet_view import PAGE_SIZE, STALE_AFTER_S, FleetView
+from detector.kube.fleet_view import PAGE_SIZE, STALE_AFTER_S, FlakyGpu, FleetView, flaky_gpus
 from detector.kube.stamps import rfc3339
 
 EXIT_NOTHING_WRONG, EXIT_PROBLEMS, EXIT_USAGE, EXIT_API = 0, 1, 2, 3
@@ -47,6 +47,8 @@ EPILOG = ("examples:\n"
           "  kubectl gpu-npd                                    # the same, as a kubectl plugin\n"
           "  kubectl gpu-npd fleet -o json | jq '.nodes[].unhealthyGpus[]'\n"
           "  gpu-npd fleet -l gpu-npd.io/rack=rack-07 --all     # one rack, healthy nodes too\n"
+          "  gpu-npd fleet --flaky                              # GPUs failing boot after boot: RMA them\n"
+          "  gpu-npd fleet --flaky -o json | jq -r '.gpus[].serial'   # their serials, for the RMA\n"
           "  gpu-npd fleet --kubeconfig kc.yaml --context admin # another kubeconfig and context")
 
 
@@ -68,6 +70,10 @@ def add_fleet_arguments(f: argparse.ArgumentParser) -> None:
                         "nvidia.com/gpu.present=true or NFD's feature.node.kubernetes.io/pci-10de.present, "
                         "or anything gpu-npd writes)")
     f.add_argument("--all", action="store_true", help="list the healthy GPU nodes too")
+    f.add_argument("--flaky", action="store_true",
+                   help="list instead the GPUs, by serial, whose incidents recur across boots (the annotation's "
+                        "per-GPU boots, 2 or more) and those the GpuFlaky condition names: what to send back "
+                        "(exit code 1 when one is listed); run `gpu-npd history --rma` on its node for the evidence")
     f.add_argument("--stale-after", type=float, default=STALE_AFTER_S, metavar="SECONDS",
                    help="gpu-npd is not reporting when its newest condition heartbeat is older than this "
                         f"(default {STALE_AFTER_S:g}: three of the daemon's 300 s heartbeats)")
@@ -98,7 +104,13 @@ def cmd_fleet(args: argparse.Namespace) -> int:
         return _failed(f"{_clip(e.explain(FLEET_RBAC_HINT), LINE_MAX)}{_hint(e)}")
     except FleetListError as e:
         return _failed(str(e))
-    if args.output == "json":
+    flaky = flaky_gpus(view) if args.flaky else []
+    if args.flaky and args.output == "json":
+        print(json.dumps({"gpus": [f.to_dict() for f in flaky], "nodes": view.gpu_nodes,
+                          "malformed": {"nodes": view.malformed, "first": view.first_malformed or None}}, indent=2))
+    elif args.flaky:
+        print(render_flaky(flaky, view.gpu_nodes))
+    elif args.output == "json":
         print(json.dumps(fleet_json(view, args.stale_after), indent=2))
     else:
         print(render_fleet(view, keep_all=args.all))
@@ -107,6 +119,8 @@ def cmd_fleet(args: argparse.Namespace) -> int:
                     f"and {'were' if view.malformed != 1 else 'was'} skipped; first: {view.first_malformed}",
                     LINE_MAX), file=sys.stderr)
         return EXIT_API
+    if args.flaky:
+        return EXIT_PROBLEMS if flaky else EXIT_NOTHING_WRONG
     return EXIT_NOTHING_WRONG if view.nothing_wrong else EXIT_PROBLEMS
 
 
@@ -182,6 +196,25 @@ def render_fleet(view: FleetView, keep_all: bool = False) -> str:
              _clip(d.explain(), 4 * CELL_MAX)) for d in domains]))
     lines.append(summary_line(view))
     return "\n".join(lines)
+
+
+def render_flaky(gpus: list[FlakyGpu], nodes: int) -> str:
+    """One row per GPU whose incidents recur across boots, most boots first, then a summary line."""
+    from detector.cli.render import columns
+
+    plural = "s" if nodes != 1 else ""
+    if not gpus:
+        return f"no GPU's incidents recur across boots: {nodes} GPU node{plural} read"
+    rows = [("NODE", "GPU", "SERIAL", "BUS ID", "UUID", "BOOTS", "FLAKY", "STATE", "ACTION", "SINCE")]
+    for f in gpus:
+        g = f.gpu
+        rows.append(tuple(_clip(cell, CELL_MAX) for cell in (
+            f.node, "-" if g.index is None else str(g.index), g.serial or "-", g.pci_bus_id or "-", g.uuid or "-",
+            "?" if f.boots is None else str(f.boots), "yes" if f.flaky else "no", g.state, g.action or "-",
+            g.since or "-")))
+    flaky = sum(f.flaky for f in gpus)
+    return "\n".join([*columns(rows), f"{len(gpus)} GPU{'s' if len(gpus) != 1 else ''} failing on more than one "
+                      f"boot ({flaky} flaky) on {len({f.node for f in gpus})} of {nodes} GPU node{plural}"])
 
 
 def summary_line(view: FleetView) -> str:

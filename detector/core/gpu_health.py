@@ -34,6 +34,7 @@ class GpuHealth:
     action: str                      # the recommended action for this GPU now; NONE when healthy
     reasons: tuple[str, ...] = ()    # the reasons of the problems naming it, most urgent first
     incidents: int = 0               # its incidents in the node check's flaky window (where it keeps history)
+    boots: int = 0                   # distinct boots those incidents fell in: 2 or more, its failures recur
     verifying: bool = False          # unhealthy only by problems whose cure is being verified: still fenced,
                                      # but no reason to remediate the node again (the cure already happened)
     serial: str = ""                 # the board's serial where known: what an RMA ticket names

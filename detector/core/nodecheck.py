@@ -46,6 +46,8 @@ class NodeView:
     pending: tuple[str, ...] = ()               # scheduled checks that have not run in this boot yet
     maintenance: str = ""                       # why the node is under planned maintenance ("" if not)
     concluded: tuple[Problem, ...] = ()         # what the node checks judged before this one, in this pass
+    reset_failed: tuple[str, ...] = ()          # GPUs whose reset failed or did not cure in this boot, named
+                                                # with why (--reset-gpus; detector/agent/gpu_reset.py)
 
 
 class NodeCheck(Check):

@@ -7,6 +7,8 @@
 - sender: reads the node, then sends conditions and events when they change or are due, backing off when
   the API server is unwell, so a slow, absent or refusing API server never delays a check;
 - dra-taints (only with --dra-taints): keeps a DeviceTaintRule per failed or degraded GPU (device_taints.py);
+- gpu-reset (only with --reset-gpus): resets a fenced GPU whose action is RESET_GPU, one at a time, at a
+  bounded rate, and escalates to the node's remediation ask when that fails (agent/gpu_reset.py);
 - node-watch (with an API server, unless --no-node-watch): one watch on this node (and its ResourceSlices
   when the allocatable check or DRA taints need them) that is Host.node_status, and judges the node again
   at once when something a check reads changed (nodewatch.py);
@@ -33,13 +35,14 @@ from detector.agent.active import ConditionStatus
 from detector.agent.agent import AgentSettings, AgentSink, NodeAgent
 from detector.agent.bundle_writer import BundleOptions, KernelLogTail, Manifest, Verdict, write_bundle
 from detector.agent.bundles import BUNDLES, BundleKeeper, KeeperSettings, kept_message
+from detector.agent.gpu_reset import GpuResetter, ResetSettings
 from detector.agent.metrics import AgentMetrics
 from detector.core.check import Check
 from detector.core.deadline import Hung, call_with_deadline
 from detector.core.debounce import Debounce
 from detector.core.keeper import Kept, keep
 from detector.core.sweep import Host
-from detector.core.types import Problem
+from detector.core.types import GpuRef, Problem
 from detector.daemon.endpoints import Endpoints
 from detector.kube.api import KubeApi
 from detector.kube.conditions import MARKER, MESSAGE_LIMIT
@@ -73,6 +76,7 @@ class DaemonSettings:
     dra_taints: DeviceTaintSettings | None = None     # opt-in DRA device taints (--dra-taints)
     node_watch: NodeWatchSettings | None = field(default_factory=NodeWatchSettings)   # None: --no-node-watch
     bundles: KeeperSettings | None = field(default_factory=KeeperSettings)   # None: keep no evidence bundles
+    gpu_reset: ResetSettings | None = None            # opt-in GPU resets (--reset-gpus); needs dra_taints
 
 
 class LogSink(AgentSink):
@@ -96,9 +100,12 @@ class LogSink(AgentSink):
 class Daemon:
     def __init__(self, host: Host, checks: list[Check], ruleset: RuleSet, api: KubeApi | None,
                  settings: DaemonSettings | None = None, clock: Callable[[], float] = time.time,
-                 fresh_checks: Callable[[], list[Check]] | None = None, verdict: Verdict | None = None):
+                 fresh_checks: Callable[[], list[Check]] | None = None, verdict: Verdict | None = None,
+                 before_reset: Callable[[str, list[GpuRef]], None] | None = None):
         """`fresh_checks`: new instances of the checks, for an evidence bundle's own diagnose (the agent's
-        are busy and keep state); `verdict`: the bundle's verdict.json (diagnose -o json's document)."""
+        are busy and keep state); `verdict`: the bundle's verdict.json (diagnose -o json's document).
+        `before_reset(reason, gpus)`: called before each GPU reset (--reset-gpus), to keep the evidence; by
+        default the evidence keeper's capture (a bundle is queued before the reset)."""
         self.host, self.settings, self.clock = host, settings or DaemonSettings(), clock
         self.stop = threading.Event()
         self.metrics = AgentMetrics()
@@ -124,13 +131,28 @@ class Daemon:
             self.node_watch = NodeWatch(api, host.node_name, replace(watch, read_slices=read_slices),
                                         self._node_changed, clock, rng)
             host.node_status = self.node_watch.current
+        self.bundles = self._bundle_keeper(ruleset, fresh_checks, verdict)
+        if before_reset is None:
+            before_reset = self.bundles.capture if self.bundles is not None else (lambda reason, gpus: None)
+        self.resetter: GpuResetter | None = None
+        if self.settings.gpu_reset is not None and self.device_taints is not None:
+            taints = self.device_taints
+            self.resetter = GpuResetter(
+                host, self.settings.gpu_reset, fenced=taints.tainted, events=lambda p: self.agent.report_events(p),
+                before_reset=before_reset, escalated=self._node_changed, after_reset=self._after_reset,
+                verifying_rounds=self.settings.agent.verify_sweeps, state_dir=self.settings.agent.state_dir)
+        elif self.settings.gpu_reset is not None:
+            log.error("--reset-gpus needs --dra-taints (and an API server): a GPU is reset only once it is fenced "
+                      "by its DRA device taint, and nothing else fences it here; no GPU is reset")
         sinks = [self.metrics, LogSink()] + ([self.reporter] if self.reporter else [])
         sinks += [self.device_taints] if self.device_taints else []
-        self.bundles = self._bundle_keeper(ruleset, fresh_checks, verdict)
         sinks += [self.bundles] if self.bundles else []
+        sinks += [self.resetter] if self.resetter else []
         agent_settings = replace(self.settings.agent,
                                  message_limit=min(self.settings.agent.message_limit, MESSAGE_LIMIT - len(MARKER)))
         self.agent = NodeAgent(host, checks, ruleset, sinks, agent_settings, clock, rng)
+        if self.resetter is not None:
+            self.agent.reset_failed = self.resetter.reset_failed
         self._kick = threading.Event()
         self._node_burst = Debounce()
         self._send_began: float | None = None        # monotonic time of the flush under way, if any
@@ -207,6 +229,9 @@ class Daemon:
         if self.device_taints is not None:
             taints = self.device_taints
             threads.append(self._spawn("dra-taints", lambda: taints.run(self.stop)))
+        if self.resetter is not None:
+            resetter = self.resetter
+            threads.append(self._spawn("gpu-reset", lambda: resetter.run(self.stop)))
         if self._split_lanes:
             threads.append(self._spawn("prober", self._probe_loop))
         if self.bundles is not None:
@@ -259,6 +284,11 @@ class Daemon:
         belongs to has passed (the scheduler loop takes it)."""
         if self._node_burst.poke():
             self._kick.set()
+
+    def _after_reset(self) -> None:
+        """A GPU was reset: every check runs at once, so the cure is judged without waiting for intervals."""
+        self.agent.kick_all()
+        self._kick.set()
 
     # -- loops ----------------------------------------------------------------------------------
 

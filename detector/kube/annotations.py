@@ -19,6 +19,11 @@ everything that lists nodes):
 
 `clique` is the DRA driver's `nvidia.com/gpu.clique` text; `linkXid` the GPU's weightiest link-level XID
 of this boot (an origin-class one over the downstream 145), about 90 characters.
+
+A GPU whose incidents (the node check's: critical reset-, reboot- or replace-class problems) fell on two or
+more distinct boots within the node check's flaky window carries `"boots":N` (about 10 characters), so
+`gpu-npd fleet --flaky` finds the GPUs whose failures recur across reboots without reading every node's
+history; a GPU whose incidents are all in one boot has none.
 """
 
 from __future__ import annotations
@@ -36,6 +41,8 @@ UNHEALTHY_GPUS = key("unhealthy-gpus")
 # gpu-npd writes about 180 characters a GPU: 64 GPUs fit in 12 KiB. A longer value was planted (any pod
 # that may patch a node may write it) and is not parsed.
 MAX_VALUE = 16 << 10
+RECURS = 2                       # distinct boots with an incident from which the annotation says `boots`
+MAX_BOOTS = 10_000               # a count read back above this was not written by gpu-npd (it keeps 200 boots)
 
 
 def unhealthy_gpus_annotation(health: Iterable[GpuHealth], before: str | None = None) -> str | None:
@@ -65,7 +72,8 @@ def _serial(h: GpuHealth, known: list["UnhealthyGpu"]) -> str:
 def _entry(h: GpuHealth, serial: str, link: LinkXid | None) -> dict[str, Any]:
     fields = {"index": h.gpu.index, "pciBusId": h.gpu.pci_bus_id, "uuid": h.gpu.uuid, "serial": serial,
               "state": h.state, "action": h.action, "since": rfc3339(h.since) if h.since is not None else None,
-              "clique": h.clique, "linkXid": link_xid_dict(link) if link is not None else None}
+              "clique": h.clique, "linkXid": link_xid_dict(link) if link is not None else None,
+              "boots": h.boots if h.boots >= RECURS else None}
     return {k: v for k, v in fields.items() if v not in (None, "")}      # an unknown id is left out
 
 
@@ -101,6 +109,7 @@ class UnhealthyGpu:
     since: str | None           # RFC 3339, as written
     clique: str | None = None   # `<cluster UUID>.<clique ID>`, canonical; None when absent or not one
     link_xid: LinkXid | None = None
+    boots: int | None = None    # distinct boots with an incident, where they are 2 or more (None: not said)
 
     def to_dict(self) -> dict[str, Any]:
         out = {"index": self.index, "pciBusId": self.pci_bus_id, "uuid": self.uuid, "serial": self.serial,
@@ -109,6 +118,8 @@ class UnhealthyGpu:
             out["clique"] = self.clique
         if self.link_xid is not None:
             out["linkXid"] = link_xid_dict(self.link_xid)
+        if self.boots is not None:       # only GPUs whose incidents recur across boots have this
+            out["boots"] = self.boots
         return out
 
 
@@ -130,8 +141,14 @@ def read_unhealthy_gpus(value: str | None) -> list[UnhealthyGpu]:
         raise ValueError(f"{UNHEALTHY_GPUS} is not a JSON list of objects")
     return [UnhealthyGpu(_int(e.get("index")), _str(e.get("pciBusId")), _str(e.get("uuid")), _str(e.get("serial")),
                          _str(e.get("state")) or "unknown", _str(e.get("action")), _str(e.get("since")),
-                         _clique(e.get("clique")), link_xid_of_dict(e.get("linkXid")))
+                         _clique(e.get("clique")), link_xid_of_dict(e.get("linkXid")), _boots(e.get("boots")))
             for e in entries]
+
+
+def _boots(value: Any) -> int | None:
+    """`boots` as gpu-npd writes it (a whole number from RECURS up); None otherwise."""
+    n = _int(value)
+    return n if n is not None and RECURS <= n <= MAX_BOOTS else None
 
 
 def _clique(value: Any) -> str | None:

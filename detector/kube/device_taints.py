@@ -160,6 +160,15 @@ class DeviceTaintSink(AgentSink):
         if changed and self.on_note is not None:
             self.on_note(text)
 
+    def tainted(self, gpu: str) -> bool:
+        """This GPU (its gpu_key) has a rule of ours on the server with a taint: it is fenced. Read from any
+        thread (the GPU resetter's): the sender replaces entries, and a copy is taken before looking."""
+        rules = self._rules
+        if not rules:
+            return False
+        return any(obj(obj(r.get("metadata")).get("annotations")).get(GPU_ANNOTATION) == gpu
+                   and obj(obj(r.get("spec")).get("taint")).get("effect") in EFFECTS for r in list(rules.values()))
+
     # -- the sink (the agent's thread: never waits on the API server) -----------------------------
 
     def gpus(self, health: list[GpuHealth]) -> None:

@@ -7,6 +7,9 @@ True, or a gpu-npd that stopped reporting. It reads what the daemons already wri
   ones are problems, and their lastHeartbeatTime says when the daemon last reported (every 300 s);
 - the node's readiness: its Ready condition, cordon (spec.unschedulable) and taints, the Node Readiness
   Controller's `readiness.k8s.io/*` among them;
+- GPUs whose failures recur across reboots (`flaky_gpus`, for `gpu-npd fleet --flaky`): an annotation entry's
+  `boots` (distinct boots with an incident, written from 2 on), and the GpuFlaky condition, whose message
+  names each flaky GPU's serial (rules/node.yaml);
 - its multi-node NVLink domain: the label `nvidia.com/gpu.clique` (`<cluster UUID>.<clique ID>`, written by
   NVIDIA's DRA driver, GPU feature discovery or gpu-npd), else the clique its annotation's GPUs carry. Nodes
   are grouped by domain, and a domain with problems is judged as one (core/domain_origin.py): which GPU
@@ -26,6 +29,7 @@ in the same listing stops it, and so does MAX_PAGES.
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
@@ -209,6 +213,39 @@ class FleetView:
             gpus = self.domain_gpus.setdefault(domain, [])
             gpus.extend(DomainGpu(node.name, g.index, g.pci_bus_id, g.link_xid) for g in node.unhealthy
                         if g.clique in (None, node.clique))
+
+
+FLAKY_TYPE = "GpuFlaky"          # rules/node.yaml's gpu-flaky: "serial {serial}, incidents on {incident_boots} boots…"
+_FLAKY_SERIAL = re.compile(r"\bserial ([0-9A-Za-z][0-9A-Za-z._-]{0,63}),")
+
+
+@dataclass(frozen=True)
+class FlakyGpu:
+    """A GPU whose incidents recur across boots, as its node's daemon wrote it."""
+
+    node: str
+    gpu: UnhealthyGpu
+    boots: int | None             # distinct boots with an incident (None: the daemon did not say: an older one)
+    flaky: bool                   # the node's GpuFlaky condition names its serial: the daemon says send it back
+
+    def to_dict(self) -> dict[str, Any]:
+        g = self.gpu
+        return {"node": self.node, "index": g.index, "serial": g.serial, "pciBusId": g.pci_bus_id, "uuid": g.uuid,
+                "boots": self.boots, "flaky": self.flaky, "state": g.state, "action": g.action, "since": g.since}
+
+
+def flaky_gpus(view: FleetView) -> list[FlakyGpu]:
+    """The GPUs of the listed nodes whose incidents fell on two or more boots (their annotation entry's
+    `boots`), or that the node's GpuFlaky condition names by serial; most boots first. A GPU fine now is
+    not in the annotation, so it is not listed until it fails again (or is flaky, which keeps it degraded)."""
+    out = []
+    for node in view.nodes:
+        named = {s for c in node.conditions if c.type == FLAKY_TYPE for s in _FLAKY_SERIAL.findall(c.message)}
+        for g in node.unhealthy:
+            flaky = bool(g.serial) and g.serial in named
+            if g.boots is not None or flaky:
+                out.append(FlakyGpu(node.name, g, g.boots, flaky))
+    return sorted(out, key=lambda f: (-(f.boots or 0), not f.flaky, f.node, f.gpu.index is None, f.gpu.index or 0))
 
 
 def read_fleet(api: KubeApi, owned_types: Iterable[str] = (), label_selector: str = "",

@@ -67,6 +67,8 @@ class NodeStateCheck(NodeCheck):
         "downstream_hold": "true while downstream_only and the first downstream XID is younger than "
                            "downstream_hold: the node waits for the domain's origin tray to be remediated first",
         "domain_note": "what the node knows of a domain-wide fault, to end the remediation ask with ('' when none)",
+        "reset_failed_gpus": "GPUs whose reset (--reset-gpus) failed or did not cure them in this boot",
+        "reset_failed_list": "those GPUs, each named with why",
     }
     config_fields = {
         "loop_reboots": ConfigField(int, 3, "reboots after which the same problem coming back is a remediation loop"),
@@ -101,7 +103,9 @@ class NodeStateCheck(NodeCheck):
             log.warning("cannot save the GPU history in %s: %s", view.state_dir, e)
         observations = [self._node_observation(history, view), *self._gpu_observations(history, view)]
         incidents = {gpu_key(o.gpu): o.fields["incidents"] for o in observations if o.gpu is not None}
-        return CheckOutput(observations, result={"incidents": incidents}, summary=_summary(observations))
+        boots = {gpu_key(o.gpu): o.fields["incident_boots"] for o in observations if o.gpu is not None}
+        return CheckOutput(observations, result={"incidents": incidents, "incident_boots": boots},
+                           summary=_summary(observations))
 
     # -- history --------------------------------------------------------------------------------------
 
@@ -156,6 +160,8 @@ class NodeStateCheck(NodeCheck):
             "loop_window": span(self.config["loop_window"]),
             **domain_fields(view.health, [h for h in failed if h.action in remediable], view.now,
                             self.config["downstream_hold"]),
+            "reset_failed_gpus": len(view.reset_failed),
+            "reset_failed_list": "; ".join(view.reset_failed),
         }, time=view.now)
 
     def _gpu_observations(self, history: History, view: NodeView) -> list[Observation]:

@@ -24,9 +24,8 @@ from fake_nvml.nccl import FakeNcclProbe
 from fake_nvml.node import FakeNode
 from fake_nvml.nvml import FakeNvml
 from fake_nvml.pci import FakePciBus
-from fake_nvml.smi import EXIT_DRIVER_NOT_LOADED, EXIT_NOT_FOUND, EXIT_OTHER, run_smi
+from fake_nvml.smi import EXIT_DRIVER_NOT_LOADED, EXIT_NOT_FOUND, EXIT_OTHER, run_smi, smi_fault
 from fake_nvml.smi_xml import query_xml
-from fake_nvml.smi import run_smi, smi_fault
 from fake_nvml.system import fake_system
 
 

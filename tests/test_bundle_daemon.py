@@ -143,3 +143,20 @@ def test_bundles_keep_zero_keeps_none(keep):
     from detector.cli.main import build_parser
     args = build_parser().parse_args(["run", "--bundles-keep", keep])
     assert _keeper_settings(args) is None
+
+
+def test_a_restarted_daemon_takes_no_second_bundle_of_a_gpu_still_failed(tmp_path):
+    folder = tmp_path / "bundles"
+    (folder / "20261127T000000Z-gpu-failed").mkdir(parents=True)
+    (folder / "20261127T000000Z-gpu-failed" / "manifest.json").write_text(json.dumps(
+        {"version": 1, "boot_id": "boot-1", "incident": "i-1",
+         "gpus": [{"index": 3, "serial": "s", "uuid": "GPU-3", "pci_bus_id": "0000:5d:00.0"}]}))
+    calls: list = []
+    same_boot = BundleKeeper(folder, _writer(calls), boot_id="boot-1")
+    same_boot.gpus([GpuHealth(GPU3, "failed", "RESET_GPU")])
+    _drain(same_boot)
+    assert calls == []
+    next_boot = BundleKeeper(folder, _writer(calls), boot_id="boot-2")    # rebooted, failed again: new evidence
+    next_boot.gpus([GpuHealth(GPU3, "failed", "RESET_GPU")])
+    _drain(next_boot)
+    assert [c.gpus for c in calls] == [(GPU3,)]

@@ -305,17 +305,17 @@ def _system(host: Host, manifest: Manifest) -> Any:
 
 
 def _copy_capture(path: Path, writer: _Writer, redacted: bool) -> None:
-    from detector.backends.replay.load import SNAPSHOT_NAMES, read_capture, snapshot_file
+    """A replayed node's evidence is the capture it came from (and its NVLink listing), as it was."""
     from detector.backends.replay.limits import MAX_CAPTURE_BYTES
-    from detector.backends.replay.side_files import DEV, MODULES, NVLINK, VERSION, read_side_file
+    from detector.backends.replay.load import SNAPSHOT_NAMES, read_capture, snapshot_file
+    from detector.backends.replay.side_files import NVLINK, read_side_file
 
     file = snapshot_file(path)
-    name = SNAPSHOT_NAMES[0] if read_capture(file, MAX_CAPTURE_BYTES, "capture")[:200].lstrip().startswith(b"<") \
-        else SNAPSHOT_NAMES[1]
-    writer.write(name, read_capture(file, MAX_CAPTURE_BYTES, "capture").decode("utf-8", "replace"), redacted=redacted)
-    if path.is_dir() and (text := read_side_file(path, NVLINK)) is not None:
-        writer.write(NVLINK, text, redacted=False)
-    del DEV, MODULES, VERSION
+    text = read_capture(file, MAX_CAPTURE_BYTES, "capture").decode("utf-8", "replace")
+    name = SNAPSHOT_NAMES[0] if text.lstrip("\ufeff").lstrip().startswith("<") else SNAPSHOT_NAMES[1]
+    writer.write(name, text, redacted=redacted)
+    if path.is_dir() and (nvlink := read_side_file(path, NVLINK)) is not None:
+        writer.write(NVLINK, nvlink, redacted=False)
 
 
 def _copy_history(path: Path, writer: _Writer, manifest: Manifest, redacted: bool) -> None:

@@ -13,6 +13,7 @@ incident already kept is a new incident of its own (its own bundle); the ask tha
 
 from __future__ import annotations
 
+import json
 import logging
 import queue
 import shutil
@@ -59,7 +60,9 @@ class _Request:
 
 class BundleKeeper(AgentSink):
     def __init__(self, folder: Path, write: Write, settings: KeeperSettings | None = None,
-                 on_kept: Kept | None = None, history: Path | None = None):
+                 on_kept: Kept | None = None, history: Path | None = None, boot_id: str | None = None):
+        """`boot_id`: this boot; the bundles already kept in it (a restarted daemon) count as this incident's,
+        so a restart never takes a second bundle of a GPU that is still failed."""
         self.folder, self.write = folder, write
         self.settings = settings or KeeperSettings()
         self.on_kept = on_kept
@@ -73,6 +76,24 @@ class BundleKeeper(AgentSink):
         self._count = 0
         self.dropped = 0
         self.written: list[Path] = []
+        if boot_id is not None:
+            self._resume(boot_id)
+
+    def _resume(self, boot_id: str) -> None:
+        """The incident a previous run of the daemon kept in this boot, from the manifests it wrote."""
+        from detector.backends.safefile import read_bounded
+
+        for bundle in sorted(self.folder.iterdir()) if self.folder.is_dir() else []:
+            try:
+                manifest = json.loads(read_bounded(bundle / "manifest.json", 1 << 20, "bundle manifest"))
+            except (OSError, ValueError):
+                continue
+            if not isinstance(manifest, dict) or manifest.get("boot_id") != boot_id:
+                continue
+            self._incident = str(manifest.get("incident") or bundle.name)
+            for g in manifest.get("gpus") or []:
+                if isinstance(g, dict):
+                    self._incident_gpus.add(gpu_key(GpuRef(g.get("index"), g.get("uuid"), g.get("pci_bus_id"))))
 
     # -- noticing (the agent's thread: returns at once) ------------------------------------------------
 

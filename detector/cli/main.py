@@ -84,10 +84,12 @@ def build_parser() -> argparse.ArgumentParser:
                "  gpu-npd diagnose --checks nccl                     # all-reduce probe (needs idle GPUs)\n"
                "  gpu-npd diagnose --checks nccl --nccl-tests /opt/nccl-tests/build/all_reduce_perf\n"
                "  gpu-npd diagnose --nvml fake:h100-sxm-8-nvlink-down --checks nccl\n"
+               "  gpu-npd diagnose --nvml replay:/tmp/gpu-case-1234  # judge a bundle (gpu-npd bundle) again\n"
                "  gpu-npd scenarios                                  # fake nodes to try")
     d.add_argument("--nvml", default=os.environ.get("GPU_NPD_NVML", "real"), metavar="BACKEND",
                    help="real, fake:SCENARIO, fake:PATH.yaml, or replay:PATH (a saved nvidia-smi -q / -q -x output, "
-                        "or a folder holding one; judged as one snapshot) (default: $GPU_NPD_NVML or real)")
+                        "or a folder holding one, such as a 'gpu-npd bundle': its kernel.log and nvml.json are read "
+                        "too; judged as one snapshot) (default: $GPU_NPD_NVML or real)")
     d.add_argument("--rules", action="append", metavar="PATH",
                    help="rule file or directory, repeatable. '+PATH' adds PATH to the bundled rules; a plain "
                         "PATH replaces them ('builtin' names them, so '--rules builtin --rules PATH' extends "

@@ -184,7 +184,8 @@ class Daemon:
                                 tail.lines() if tail is not None else None)
 
         settings = replace(settings, remediation_types=self.settings.agent.remediation_types)
-        return BundleKeeper(state_dir / BUNDLES, write, settings, self._evidence_kept, state_dir / HISTORY_FILE)
+        return BundleKeeper(state_dir / BUNDLES, write, settings, self._evidence_kept, state_dir / HISTORY_FILE,
+                            boot_id=host.current_boot())
 
     def _evidence_kept(self, out: Path, manifest: Manifest) -> None:
         if self.reporter is not None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 from typing import Callable
@@ -23,7 +24,8 @@ from fake_nvml.nccl import FakeNcclProbe
 from fake_nvml.node import FakeNode
 from fake_nvml.nvml import FakeNvml
 from fake_nvml.pci import FakePciBus
-from fake_nvml.smi import run_smi, smi_fault
+from fake_nvml.smi import EXIT_DRIVER_NOT_LOADED, EXIT_NOT_FOUND, EXIT_OTHER, run_smi, smi_fault
+from fake_nvml.smi_xml import query_xml
 from fake_nvml.system import fake_system
 
 
@@ -40,10 +42,42 @@ class InProcessSmi:
             self._sleep(min(state.smi_hang_s, timeout_s))
             if state.smi_hang_s >= timeout_s:
                 return SmiOutcome("timeout", detail=f"nvidia-smi did not finish within {timeout_s:g}s")
+        if args == ["-q", "-x"]:
+            first = run_smi(state, ["-L"])        # no driver, a version mismatch, no GPUs: -q fails alike
+            if first.returncode in (EXIT_DRIVER_NOT_LOADED, EXIT_OTHER, EXIT_NOT_FOUND):
+                return SmiOutcome("ok", first.returncode, first.stdout, first.stderr)
+            return _query_xml_within(self.node, timeout_s)
         result = run_smi(state, args)
         for action in result.actions:           # -r and -pm change the node, seen by every source at once
             self.node.inject(smi_fault(action))
         return SmiOutcome("ok", result.returncode, result.stdout, result.stderr)
+
+
+def _query_xml_within(node: FakeNode, timeout_s: float) -> SmiOutcome:
+    """nvidia-smi -q reads NVML: on a node whose NVML hangs it hangs too, and is given up as the real one is."""
+    result: list[str] = []
+    def query() -> None:
+        try:
+            result.append(_query_xml(node))
+        except pynvml.NVMLError as e:         # what nvidia-smi prints when NVML fails it
+            result.append(f"Failed to initialize NVML: {e}\n")
+    worker = threading.Thread(target=query, name="fake-smi-q", daemon=True)
+    worker.start()
+    worker.join(timeout_s)
+    if not result:
+        return SmiOutcome("timeout", detail=f"nvidia-smi did not finish within {timeout_s:g}s")
+    failed = result[0].startswith("Failed to initialize NVML")
+    return SmiOutcome("ok", EXIT_OTHER if failed else 0, result[0], "")
+
+
+def _query_xml(node: FakeNode) -> str:
+    """`nvidia-smi -q -x` of the node, read through its own NVML as nvidia-smi reads the real one."""
+    nvml = FakeNvml(node)
+    nvml.nvmlInit()
+    try:
+        return query_xml(nvml)
+    finally:
+        nvml.nvmlShutdown()
 
 
 def fake_host(node: FakeNode, *, sysfs_root: Path | None = None, smi_command: list[str] | None = None,

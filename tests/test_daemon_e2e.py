@@ -120,6 +120,8 @@ def test_restart_neither_resets_nor_duplicates(running, emulator, tmp_path):
     assert first.wait_for(lambda: status(first, "GpuXidError") == "True")
     before = first.conditions()["GpuXidError"]
     assert first.wait_for(lambda: any(e["reason"] == before["reason"] for e in first.events()))
+    # GPU 2 failed: its evidence bundle is kept and named once (the restart must not take another)
+    assert first.wait_for(lambda: any(e["reason"] == "EvidenceKept" for e in first.events()), 30)
     events_before = first.events()
     first.daemon.stop.set()
     first.thread.join(10)

@@ -59,7 +59,7 @@ EXCLUDED: list[tuple[str, str]] = [
     (r"^kustomize\b", "kustomize is not installed by `make`; tests/test_deploy*.py check deploy/ offline"),
     (r"^cd deploy/\S* && kustomize\b", "edits deploy/'s kustomization, then `kubectl apply`s it to a cluster"),
     (r"--nvml real\b", "real NVML: needs an NVIDIA GPU and driver"),
-    (r"^gpu-npd (diagnose|run)\b(?!.*--nvml (fake|replay):)(?!.*--kernel-log)",
+    (r"^gpu-npd (diagnose|run|bundle)\b(?!.*--nvml (fake|replay):)(?!.*--kernel-log)",
      "real NVML (the default `--nvml real`): needs an NVIDIA GPU and driver"),
     (r"^gpu-npd simulate\b(?!.*--emulator)", "plays KWOK nodes on a real cluster (no --emulator)"),
     (r"^gpu-npd fleet\b(?!.*--kubeconfig)", "lists a real cluster's nodes ($KUBECONFIG or ~/.kube/config)"),
@@ -152,6 +152,10 @@ RUN: dict[str, Spec] = {
         why="kern.log, kern.log.1 and kern.log.2.gz saved in the copy, one holding an XID 79: exit 1"),
     "journalctl -k -b -1 | gpu-npd diagnose --kernel-log -": Spec(
         exit=1, expect=r"GpuFellOffBus", why="the journalctl stand-in prints an XID 79: a problem, exit 1"),
+    "gpu-npd bundle --nvml fake:h100-sxm-8-remap-pending --out evidence": Spec(
+        expect=r"^evidence$", why="docs/diagnose.md's bundle of a fake node; stdout is the folder written"),
+    "gpu-npd diagnose --nvml replay:evidence": Spec(
+        exit=1, expect=r"RowRemapPending", why="the bundle just written replays to the node's pending remap: exit 1"),
     "gpu-npd validate-rules +my-rules.yaml": Spec(
         expect=r"^OK: 260 rules in 18 file\(s\); rules: builtin \(259 rules\) \+ my-rules\.yaml \(1 rule\)$",
         why="my-rules.yaml is the example rule file of docs/rules.md, which quotes this line: a rule added to "

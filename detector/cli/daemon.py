@@ -100,6 +100,15 @@ def add_daemon_parsers(sub: Any) -> None:
                    help="the taint effect for a degraded GPU; None: no taint (default: NoSchedule)")
     r.add_argument("--dra-taint-failed-effect", choices=("NoSchedule", "NoExecute", "None"), default="NoExecute",
                    help="the taint effect for a failed GPU; None: no taint (default: NoExecute)")
+    r.add_argument("--bundles-keep", type=int, default=5, metavar="N",
+                   help="evidence bundles kept under --state-dir/bundles when a GPU fails or the node first asks "
+                        "for remediation (one per incident; the oldest removed first; 0: none) (default: 5)")
+    r.add_argument("--bundles-max-size", type=float, default=256, metavar="MIB",
+                   help="all evidence bundles together at most this many MiB (default: 256)")
+    r.add_argument("--bundle-max-size", type=float, default=64, metavar="MIB",
+                   help="one evidence bundle at most this many MiB (default: 64)")
+    r.add_argument("--bundle-no-redact", action="store_true",
+                   help="keep addresses, host names and user names in evidence bundles (default: redacted)")
     r.add_argument("--reset-gpus", action="store_true",
                    default=_env("GPU_NPD_RESET_GPUS", "").lower() in ("1", "true", "yes"),
                    help="reset a failed GPU whose action is RESET_GPU (nvidia-smi -r) instead of leaving it fenced "
@@ -136,8 +145,25 @@ def add_daemon_parsers(sub: Any) -> None:
                                     "gpu-npd emulator --help")
 
 
+def _keeper_settings(args: argparse.Namespace) -> Any:
+    from detector.agent.bundles import KeeperSettings
+    from detector.config import UsageError
+
+    if args.bundles_keep < 0:
+        raise UsageError(f"--bundles-keep {args.bundles_keep}: expected 0 (keep none) or more")
+    for flag, value in (("--bundles-max-size", args.bundles_max_size), ("--bundle-max-size", args.bundle_max_size)):
+        if not 0 < value <= 1 << 20:
+            raise UsageError(f"{flag} {value:g}: expected more than 0 MiB")
+    if args.bundles_keep == 0:
+        return None
+    return KeeperSettings(keep=args.bundles_keep, max_total_bytes=int(args.bundles_max_size * (1 << 20)),
+                          max_bundle_bytes=int(min(args.bundle_max_size, args.bundles_max_size) * (1 << 20)),
+                          redact=not args.bundle_no_redact)
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from detector.cli.hosts import open_host
+    from detector.cli.render import Diagnosis
     from detector.config import UsageError, load_selected_checks
     from detector.rules.sources import BUILTIN_RULES, describe_rules, load_ruleset, rule_sources
     from detector.core.check import CheckRegistry
@@ -187,11 +213,15 @@ def cmd_run(args: argparse.Namespace) -> int:
             failed_effect=None if args.dra_taint_failed_effect == "None" else args.dra_taint_failed_effect)
         if args.dra_taints and not args.no_kube else None,
         node_watch=None if args.no_node_watch else NodeWatchSettings(),
+        bundles=_keeper_settings(args),
         gpu_reset=ResetSettings(min_interval_s=args.reset_interval, per_gpu_per_day=args.reset_per_day)
         if args.reset_gpus else None,
     )
     try:
-        daemon = Daemon(host, checks, ruleset, api, settings)
+        daemon = Daemon(host, checks, ruleset, api, settings,
+                        fresh_checks=lambda: load_selected_checks(registry, args.checks, args.config),
+                        verdict=lambda sweep, problems: Diagnosis(args.nvml, sweep, problems,
+                                                                  rule_sources(ruleset)).to_dict())
     except OSError as e:
         host.close()
         raise UsageError(f"--listen {args.listen}: {e.strerror or e}") from None

@@ -84,10 +84,12 @@ def build_parser() -> argparse.ArgumentParser:
                "  gpu-npd diagnose --checks nccl                     # all-reduce probe (needs idle GPUs)\n"
                "  gpu-npd diagnose --checks nccl --nccl-tests /opt/nccl-tests/build/all_reduce_perf\n"
                "  gpu-npd diagnose --nvml fake:h100-sxm-8-nvlink-down --checks nccl\n"
+               "  gpu-npd diagnose --nvml replay:/tmp/gpu-case-1234  # judge a bundle (gpu-npd bundle) again\n"
                "  gpu-npd scenarios                                  # fake nodes to try")
     d.add_argument("--nvml", default=os.environ.get("GPU_NPD_NVML", "real"), metavar="BACKEND",
                    help="real, fake:SCENARIO, fake:PATH.yaml, or replay:PATH (a saved nvidia-smi -q / -q -x output, "
-                        "or a folder holding one; judged as one snapshot) (default: $GPU_NPD_NVML or real)")
+                        "or a folder holding one, such as a 'gpu-npd bundle': its kernel.log and nvml.json are read "
+                        "too; judged as one snapshot) (default: $GPU_NPD_NVML or real)")
     d.add_argument("--rules", action="append", metavar="PATH",
                    help="rule file or directory, repeatable. '+PATH' adds PATH to the bundled rules; a plain "
                         "PATH replaces them ('builtin' names them, so '--rules builtin --rules PATH' extends "
@@ -138,12 +140,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "fleet files, POST /faults and the gpu-npd.io/inject-fault annotation")
     s.set_defaults(func=cmd_scenarios)
 
+    from detector.cli.bundle import add_bundle_parser
     from detector.cli.daemon import add_daemon_parsers
     from detector.cli.demo import add_demo_parser
     from detector.cli.fleet import add_fleet_parser
     from detector.cli.simulate import add_simulate_parser
 
     add_daemon_parsers(sub)
+    add_bundle_parser(sub)
     add_demo_parser(sub)
     add_simulate_parser(sub)
     add_fleet_parser(sub)
@@ -164,6 +168,10 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
             raise UsageError("--expect-gpus must be at least 1")
         overrides["visibility"] = {"expected_gpus": args.expect_gpus}
     selected = args.checks
+    if not args.kernel_log and args.nvml.startswith("replay:"):
+        kept = _replay_kernel_log(args.nvml.partition(":")[2])
+        if kept is not None:                   # a bundle's kernel log: the XID and driver-line rules read it
+            overrides["xid"] = {"kernel_log_file": str(kept)}
     if args.kernel_log:
         try:
             saved_logs(args.kernel_log)
@@ -214,6 +222,16 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
     else:
         print(render_table(diagnosis))
     return EXIT_PROBLEMS if diagnosis.problems else EXIT_HEALTHY
+
+
+def _replay_kernel_log(path: str) -> Path | None:
+    from detector.backends.replay.raw import SnapshotError
+    from detector.cli.replay_host import replay_kernel_log
+
+    try:
+        return replay_kernel_log(Path(path)) if path.strip() else None
+    except SnapshotError as e:
+        raise BackendError(f"--nvml replay: {e}") from None
 
 
 def _nccl_overrides(args: argparse.Namespace) -> dict:

@@ -3,6 +3,7 @@ nvidia-smi -L listing, the driver plumbing from the side files, no kernel log an
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ from detector.core.sweep import Host
 from detector.backends.replay.load import load_snapshot
 from detector.backends.replay.nvml import ReplayNvml
 from detector.backends.replay.raw import SnapshotError
+from detector.backends.replay.recording import RECORDING, RecordedNvml, read_recording
 from detector.backends.replay.side_files import SideFiles, read_side_files
 from detector.backends.replay.snapshot import GpuSnapshot, Snapshot
 
@@ -98,17 +100,36 @@ def replay_info(snapshot: Snapshot, side: SideFiles) -> dict[str, Any]:
     return info
 
 
+KERNEL_LOG = "kernel.log"
+
+
+def replay_kernel_log(path: Path) -> Path | None:
+    """The kernel log a replay folder holds (a bundle's kernel.log), read as `--kernel-log` reads a saved one;
+    None when there is none. Only a regular file directly in the folder counts, never a link."""
+    file = path / KERNEL_LOG
+    if not path.is_dir() or not os.path.lexists(file):
+        return None
+    if file.is_symlink() or not file.is_file():
+        raise SnapshotError(f"{file}: not a regular file; a capture's side files must be regular files in its folder")
+    return file
+
+
 def replay_host(path: Path, node_name: str | None = None) -> Host:
     snapshot = load_snapshot(path)
     if not snapshot.gpus:
         raise SnapshotError(f"{snapshot.path}: no GPU section (a 'GPU 00000000:..' header, <gpu id=..>, or a "
                             "GPU's fields such as Fabric or Clocks Event Reasons) in this output: nothing to judge")
     side = read_side_files(path) if path.is_dir() else SideFiles()
-    nvml = ReplayNvml(snapshot, side.nvlink)
+    recording = read_recording(path) if path.is_dir() else None
+    nvml: Any = ReplayNvml(snapshot, side.nvlink)
+    if recording is not None:                 # a bundle: NVML's own answers at capture, for what -q -x lacks
+        nvml = RecordedNvml(nvml, recording)
     nvml.nvmlInit()
     host = Host(node_name or "replay", nvml, ReplaySmi(snapshot), ReplayPciBus(snapshot), kernel_log=None,
                 boot_id="replay", threaded=False, close=nvml.nvmlShutdown, nccl_probe=ReplayNcclProbe(),
                 snapshot=True)
     host.system = ReplaySystem(system_info(snapshot, side))
     host.replay = replay_info(snapshot, side)          # type: ignore[attr-defined]
+    if recording is not None:
+        host.replay["side_files"].append(RECORDING)
     return host

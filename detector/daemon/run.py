@@ -28,10 +28,13 @@ import random
 import threading
 import time
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Callable
 
 from detector.agent.active import ConditionStatus
 from detector.agent.agent import AgentSettings, AgentSink, NodeAgent
+from detector.agent.bundle_writer import BundleOptions, KernelLogTail, Manifest, Verdict, write_bundle
+from detector.agent.bundles import BUNDLES, BundleKeeper, KeeperSettings, kept_message
 from detector.agent.gpu_reset import GpuResetter, ResetSettings
 from detector.agent.metrics import AgentMetrics
 from detector.core.check import Check
@@ -51,6 +54,8 @@ from detector.kube.reporter import KubeReporter, ReporterSettings
 from detector.rules.loader import RuleSet
 
 log = logging.getLogger("gpu_npd.daemon")
+EVIDENCE_KEPT = "EvidenceKept"    # the Event naming a bundle kept on the node
+HISTORY_FILE = "history.json"     # the node check's per-GPU history in the state dir (checks/node/history.py)
 
 EXIT_OK = 0
 ALLOCATABLE_CHECK = "allocatable"   # compares the node's advertised GPUs with NVML's: reads ResourceSlices
@@ -70,6 +75,7 @@ class DaemonSettings:
     watch_kernel_log: bool = True
     dra_taints: DeviceTaintSettings | None = None     # opt-in DRA device taints (--dra-taints)
     node_watch: NodeWatchSettings | None = field(default_factory=NodeWatchSettings)   # None: --no-node-watch
+    bundles: KeeperSettings | None = field(default_factory=KeeperSettings)   # None: keep no evidence bundles
     gpu_reset: ResetSettings | None = None            # opt-in GPU resets (--reset-gpus); needs dra_taints
 
 
@@ -94,8 +100,12 @@ class LogSink(AgentSink):
 class Daemon:
     def __init__(self, host: Host, checks: list[Check], ruleset: RuleSet, api: KubeApi | None,
                  settings: DaemonSettings | None = None, clock: Callable[[], float] = time.time,
-                 before_reset: Callable[[str, list[GpuRef]], None] = lambda reason, gpus: None):
-        """`before_reset(reason, gpus)`: called before each GPU reset (--reset-gpus), to keep the evidence."""
+                 fresh_checks: Callable[[], list[Check]] | None = None, verdict: Verdict | None = None,
+                 before_reset: Callable[[str, list[GpuRef]], None] | None = None):
+        """`fresh_checks`: new instances of the checks, for an evidence bundle's own diagnose (the agent's
+        are busy and keep state); `verdict`: the bundle's verdict.json (diagnose -o json's document).
+        `before_reset(reason, gpus)`: called before each GPU reset (--reset-gpus), to keep the evidence; by
+        default the evidence keeper's capture (a bundle is queued before the reset)."""
         self.host, self.settings, self.clock = host, settings or DaemonSettings(), clock
         self.stop = threading.Event()
         self.metrics = AgentMetrics()
@@ -121,6 +131,9 @@ class Daemon:
             self.node_watch = NodeWatch(api, host.node_name, replace(watch, read_slices=read_slices),
                                         self._node_changed, clock, rng)
             host.node_status = self.node_watch.current
+        self.bundles = self._bundle_keeper(ruleset, fresh_checks, verdict)
+        if before_reset is None:
+            before_reset = self.bundles.capture if self.bundles is not None else (lambda reason, gpus: None)
         self.resetter: GpuResetter | None = None
         if self.settings.gpu_reset is not None and self.device_taints is not None:
             taints = self.device_taints
@@ -133,6 +146,7 @@ class Daemon:
                       "by its DRA device taint, and nothing else fences it here; no GPU is reset")
         sinks = [self.metrics, LogSink()] + ([self.reporter] if self.reporter else [])
         sinks += [self.device_taints] if self.device_taints else []
+        sinks += [self.bundles] if self.bundles else []
         sinks += [self.resetter] if self.resetter else []
         agent_settings = replace(self.settings.agent,
                                  message_limit=min(self.settings.agent.message_limit, MESSAGE_LIMIT - len(MARKER)))
@@ -149,6 +163,34 @@ class Daemon:
         if api is not None:                   # with --no-kube there is nothing to report to: no gauge
             self.metrics.reporting_from(lambda: self.readiness()[0])
         self.endpoints = Endpoints(self.settings.listen, self.metrics.registry, self.health, self.readiness)
+
+    def _bundle_keeper(self, ruleset: RuleSet, fresh_checks: Callable[[], list[Check]] | None,
+                       verdict: Verdict | None) -> BundleKeeper | None:
+        """Evidence bundles under <state dir>/bundles (detector/agent/bundles.py); none without a state dir."""
+        settings, state_dir = self.settings.bundles, self.settings.agent.state_dir
+        if settings is None:
+            return None
+        if state_dir is None:
+            log.info("no --state-dir: no evidence bundles are kept when a GPU fails")
+            return None
+        host = self.host
+        tail = KernelLogTail(host.kernel_log) if host.kernel_log is not None else None
+        if tail is not None:
+            host.kernel_log = tail            # the kernel log a bundle keeps, as the agent reads it
+        judge = verdict or _plain_verdict
+
+        def write(out: Path, options: BundleOptions) -> Manifest:
+            return write_bundle(host, fresh_checks() if fresh_checks else [], ruleset, out, options, judge,
+                                tail.lines() if tail is not None else None)
+
+        settings = replace(settings, remediation_types=self.settings.agent.remediation_types)
+        return BundleKeeper(state_dir / BUNDLES, write, settings, self._evidence_kept, state_dir / HISTORY_FILE,
+                            boot_id=host.current_boot())
+
+    def _evidence_kept(self, out: Path, manifest: Manifest) -> None:
+        if self.reporter is not None:
+            self.reporter.event_out.record("Normal", EVIDENCE_KEPT, kept_message(out, manifest)[:MESSAGE_LIMIT])
+            self.reporter.wake.set()
 
     def health(self) -> tuple[bool, str]:
         """Liveness: the daemon's own loops are turning. Never the API server's state."""
@@ -193,6 +235,9 @@ class Daemon:
             threads.append(self._spawn("gpu-reset", lambda: resetter.run(self.stop)))
         if self._split_lanes:
             threads.append(self._spawn("prober", self._probe_loop))
+        if self.bundles is not None:
+            bundles = self.bundles
+            threads.append(self._spawn("bundles", lambda: bundles.run(self.stop)))
         reader = self.host.kernel_log
         if (self.settings.watch_kernel_log and reader is not None and getattr(reader, "wait_is_cheap", True)
                 and hasattr(reader, "wait") and any(c.name == "xid" for c in self.agent.checks)):
@@ -331,3 +376,10 @@ class Daemon:
             call_with_deadline(self.reporter.flush, FINAL_SEND_S, "the final send")
         except Exception as e:  # noqa: BLE001 - Hung included: the pod's grace period is short
             log.warning("final send failed: %s", e)
+
+
+def _plain_verdict(sweep, problems) -> dict:
+    """The verdict when the caller gives none: the node, its GPUs and the problems found."""
+    return {"node": sweep.node, "gpus": [{"index": g.index, "uuid": g.uuid, "pci_bus_id": g.pci_bus_id}
+                                         for g in sweep.inventory.gpus],
+            "problems": [p.to_dict() for p in problems], "healthy": not problems}

@@ -52,7 +52,7 @@ def manifest(gpus: list[dict], created: str, **extra) -> dict:
     return {"version": 1, "created": created, "node": "gpu-7", "boot_id": "boot-a2-6f1c2e0a", "reason": "xid",
             "incident": "GpuXidError/Xid48DoubleBitEccError", "gpus": gpus,
             "files": [{"name": "nvidia-smi-q.xml", "bytes": 90000}, {"name": "kernel.log", "bytes": 4000}],
-            "bytes": 94000, "redacted": True, "truncated": False, **extra}
+            "bytes": 94000, "redacted": True, "truncated": [], **extra}
 
 
 def write_bundles(state: Path) -> dict[str, Path]:
@@ -111,7 +111,7 @@ def test_rma_lists_each_gpu_most_incidents_first_with_its_bundles_and_skips_bad_
     assert a["incidents"][0]["message"] == "GPU 3: XID 48 double-bit ECC error"
     assert [x["path"] for x in a["bundles"]] == [str(paths["20260301T101500Z-xid"])]   # not the new board's
     assert a["bundles"][0] == {"path": str(paths["20260301T101500Z-xid"]), "created": "2026-03-01T10:15:00Z",
-                               "bytes": 94000, "reason": "xid", "redacted": True, "truncated": False}
+                               "bytes": 94000, "reason": "xid", "redacted": True, "truncated": []}
     assert (c["serial"], c["boots"], c["boots_in_window"], c["flaky"], c["bundles"]) == (SERIAL_C, 2, 1, False, [])
     assert (b["serial"], b["uuid"], b["flaky"]) == (None, UUID_B, False)
     assert "serial unknown" in b["note"]
@@ -178,6 +178,11 @@ def _history_gpus(state: Path) -> dict:
     return read_history(state)[0].gpus if (state / HISTORY_FILE).exists() else {}
 
 
+def _kept_bundles(state: Path) -> list[Path]:
+    """Bundles the daemon finished (a manifest is written last)."""
+    return sorted((state / "bundles").glob("*/manifest.json"))
+
+
 def test_daemon_then_history_rma_names_gpu_3_by_serial(running, tmp_path, capsys):
     """GPU 3 falls off the bus (XID 79) after the daemon read its serial: history --rma names it by serial,
     and lists a bundle where the daemon kept one."""
@@ -187,13 +192,13 @@ def test_daemon_then_history_rma_names_gpu_3_by_serial(running, tmp_path, capsys
     assert local.wait_for(lambda: local.conditions().get("GpuXidError", {}).get("status") == "False")
     local.node.inject(Fault("xid", gpu=3, params={"code": 79}))
     assert local.wait_for(lambda: any(g.serial == serial for g in _history_gpus(state).values()), 20)
+    assert local.wait_for(lambda: bool(_kept_bundles(state)), 60)       # the evidence kept for the incident
     code, out, err = rma(state, "-o", "json", capsys=capsys)
     assert code == 0, err
     [gpu] = json.loads(out)["gpus"]
     assert (gpu["serial"], gpu["index"], gpu["uuid"]) == (serial, 3, local.node.snapshot().gpus[3].uuid)
     assert [i["reason"] for i in gpu["incidents"]] == ["Xid79GpuFellOffBus"]
-    if (state / "bundles").is_dir() and any((state / "bundles").iterdir()):      # the bundle writer's part
-        assert gpu["bundles"], out
+    assert [b["path"] for b in gpu["bundles"]] == [str(p.parent) for p in _kept_bundles(state)], out
 
 
 def test_gpu_npd_run_xid79_then_history_rma_lists_gpu_3(tmp_path):
@@ -212,9 +217,10 @@ def test_gpu_npd_run_xid79_then_history_rma_lists_gpu_3(tmp_path):
                                 cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=(tmp_path / "log").open("wb"))
         try:
             deadline = time.monotonic() + 60
-            while not _history_gpus(state) and time.monotonic() < deadline and proc.poll() is None:
+            while not (_history_gpus(state) and _kept_bundles(state)) and time.monotonic() < deadline \
+                    and proc.poll() is None:
                 time.sleep(0.2)
-            assert _history_gpus(state), (tmp_path / "log").read_text()[-3000:]
+            assert _history_gpus(state) and _kept_bundles(state), (tmp_path / "log").read_text()[-3000:]
         finally:
             proc.send_signal(signal.SIGTERM)
             try:
@@ -232,6 +238,4 @@ def test_gpu_npd_run_xid79_then_history_rma_lists_gpu_3(tmp_path):
     else:                                          # a later daemon that remembers or captures the serial
         from conftest import node_for
         assert gpu["serial"] == node_for("h100-sxm-8-xid79").snapshot().gpus[3].serial
-    bundles = state / "bundles"
-    if bundles.is_dir() and any(bundles.iterdir()):     # the bundle writer's part
-        assert gpu["bundles"], result.stdout
+    assert [b["path"] for b in gpu["bundles"]] == [str(p.parent) for p in _kept_bundles(state)], result.stdout

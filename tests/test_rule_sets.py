@@ -141,7 +141,7 @@ def test_errors_stop_diagnose_with_the_validate_rules_shape(tmp_path, capsys):
 class _Daemon:
     """Stands in for the daemon: `run` is judged here only by what it logs about its rules at start."""
 
-    def __init__(self, host, *args):
+    def __init__(self, host, *args, **kwargs):
         self.stop, self.host = None, host
 
     def run(self) -> int:

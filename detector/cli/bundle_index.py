@@ -5,7 +5,9 @@ and which GPUs it names:
 
     {"version": 1, "created": "2026-03-02T10:41:07Z", "node": "gpu-1", "boot_id": "…", "reason": "…",
      "incident": …, "gpus": [{"index": 3, "serial": "1650…", "uuid": "GPU-…", "pci_bus_id": "0000:5d:00.0"}],
-     "files": [{"name": "kernel.log", "bytes": 1234}], "bytes": 5678, "redacted": true, "truncated": false}
+     "files": [{"name": "kernel.log", "bytes": 1234}], "bytes": 5678, "redacted": true, "truncated": []}
+
+(`truncated` names the files the bundle's size cap cut or left out.)
 
 The state directory is a hostPath other pods may write to, so nothing here is trusted: at most MAX_BUNDLES
 folders are looked at (the newest names first), a manifest is read only as a regular file no larger than
@@ -30,6 +32,7 @@ MANIFEST_LIMIT = 256 << 10       # a manifest lists a few dozen files and at mos
 MAX_BUNDLES = 256                # folders looked at; the daemon keeps a few
 MAX_GPUS = 64                    # GPUs taken from one manifest (a node has at most 64)
 TEXT_MAX = 256                   # each text kept from a manifest
+MAX_NAMES = 64                   # file names taken from a manifest's truncated list (a bundle holds a dozen)
 
 
 @dataclass(frozen=True)
@@ -60,7 +63,7 @@ class Bundle:
     reason: str
     gpus: tuple[BundleGpu, ...]
     redacted: bool | None
-    truncated: bool | None
+    truncated: tuple[str, ...]   # files the size cap cut or left out
 
     def names(self, serial: str | None, uuid: str | None, pci_bus_id: str | None) -> BundleGpu | None:
         """The entry of this bundle that is the GPU of these identities (BundleGpu.same), None if none is."""
@@ -68,7 +71,7 @@ class Bundle:
 
     def to_dict(self) -> dict[str, Any]:
         return {"path": str(self.path), "created": self.created or None, "bytes": self.bytes,
-                "reason": self.reason or None, "redacted": self.redacted, "truncated": self.truncated}
+                "reason": self.reason or None, "redacted": self.redacted, "truncated": list(self.truncated)}
 
 
 def bus_id(text: str) -> str:
@@ -131,7 +134,7 @@ def parse_manifest(path: Path, data: Any) -> Bundle:
     if size is not None and (type(size) is not int or size < 0):
         raise ValueError(f"bytes is {size!r}, not a size")
     return Bundle(path, _text(data, "created"), size, _text(data, "node"), _text(data, "reason"),
-                  tuple(_gpu(g, i) for i, g in enumerate(gpus)), _flag(data, "redacted"), _flag(data, "truncated"))
+                  tuple(_gpu(g, i) for i, g in enumerate(gpus)), _flag(data, "redacted"), _names(data, "truncated"))
 
 
 def _gpu(g: Any, i: int) -> BundleGpu:
@@ -152,6 +155,15 @@ def _text(d: dict[str, Any], key: str, where: str = "") -> str:
     if not isinstance(value, str):
         raise ValueError(f"{where}{key} is {_kind(value)}, not a string")
     return value[:TEXT_MAX]
+
+
+def _names(d: dict[str, Any], key: str) -> tuple[str, ...]:
+    value = d.get(key)
+    if value is None:
+        return ()
+    if not isinstance(value, list) or len(value) > MAX_NAMES or not all(isinstance(v, str) for v in value):
+        raise ValueError(f"{key} is {_kind(value)}, not a list of file names")
+    return tuple(v[:TEXT_MAX] for v in value)
 
 
 def _flag(d: dict[str, Any], key: str) -> bool | None:

@@ -43,6 +43,19 @@ _UNTIMED = frozenset({"nvmlEventSetWait", "nvmlEventSetWait_v2", "nvmlSystemEven
                       "nvmlExceptionClass", "nvmlStructToFriendlyObject", "nvmlFriendlyObjectToStruct"})
 
 
+def device_key(handle: Any) -> Hashable | None:
+    """What a handle's calls are kept under: its device's address for a C handle (pynvml makes a new
+    pointer object each time it opens a GPU, to the same device), else the handle itself; None when it
+    cannot be a key."""
+    if isinstance(handle, ctypes._Pointer):
+        return ctypes.cast(handle, ctypes.c_void_p).value
+    try:
+        hash(handle)
+    except TypeError:
+        return None
+    return handle
+
+
 @runtime_checkable
 class SimulatesLatency(Protocol):
     """A library that can simulate slow calls rather than sleep them (a fake node on a simulated clock)."""
@@ -107,15 +120,7 @@ class TimedNvml:
         return timed
 
     def device_key(self, handle: Any) -> Hashable | None:
-        """What a handle's calls are kept under: its device's address for a C handle (pynvml makes a new
-        pointer object each time it opens a GPU, to the same device), else the handle itself."""
-        if isinstance(handle, ctypes._Pointer):
-            return ctypes.cast(handle, ctypes.c_void_p).value
-        try:
-            hash(handle)
-        except TypeError:
-            return None
-        return handle
+        return device_key(handle)
 
     def opened_index(self, key: Hashable) -> int | None:
         """The NVML index the device under `key` was last opened by, if it was opened by index: what names a

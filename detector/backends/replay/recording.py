@@ -21,6 +21,7 @@ from typing import Any, Hashable
 
 import pynvml
 
+from detector.backends.nvml_timing import device_key
 from detector.backends.pciaddr import normalize_bus_id
 
 from detector.backends.replay.limits import MAX_CAPTURE_BYTES
@@ -127,7 +128,7 @@ class NvmlRecorder:
         def opened(*args: Any) -> Any:
             handle = fn(*args)
             if args and isinstance(args[0], int):
-                key = _hashable(handle)
+                key = device_key(handle)
                 if key is not None:
                     with self._lock:
                         self._index[key] = args[0]
@@ -163,7 +164,7 @@ class NvmlRecorder:
         if key is None:
             return
         with self._lock:
-            handle_key = _hashable(handle)
+            handle_key = device_key(handle)
             index = self._index.get(handle_key) if handle_key is not None else None
             if index is None:
                 return
@@ -177,16 +178,6 @@ class NvmlRecorder:
             return {"version": VERSION,
                     "gpus": {bus_ids[i]: {"index": i, "calls": dict(calls)}
                              for i, calls in sorted(self.gpus.items()) if bus_ids.get(i)}}
-
-
-def _hashable(handle: Any) -> Hashable | None:
-    if isinstance(handle, ctypes._Pointer):
-        return ctypes.cast(handle, ctypes.c_void_p).value
-    try:
-        hash(handle)
-    except TypeError:
-        return None
-    return handle
 
 
 # -- answering from a recording ---------------------------------------------------------------------------

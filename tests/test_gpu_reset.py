@@ -331,3 +331,53 @@ def test_daemon_escalates_a_reset_that_does_not_cure(run_daemon):
     condition = local.conditions()["GpuNodeNeedsRemediation"]
     assert condition["status"] == "True" and "did not cure" in condition["message"]
     assert any("escalated" in m for m in reset_events(local))
+
+
+def test_gpu_npd_run_reset_gpus_resets_gpu_3_and_lifts_its_taint(tmp_path):
+    """The issue's acceptance as a person runs it: `gpu-npd run --nvml fake:h100-sxm-8-driver-recovery-reset
+    --reset-gpus --dra-taints` against the emulator, with the DaemonSet's and the DRA overlay's RBAC."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from detector.daemon.local import SERVICE_ACCOUNT
+
+    config = tmp_path / "config.yaml"
+    config.write_text("checks:\n  driver: {interval: 0.5}\n")
+    with Emulator(rbac_paths=(REPO_DEPLOY, DRA_RBAC)) as emulator:
+        node = node_for(SCENARIO, NODE)        # the same GPUs (UUIDs come from the node's name) the run plays
+        emulator.create_node(NODE, labels={"nvidia.com/gpu.present": "true"}, capacity={"nvidia.com/gpu": "8"})
+        publish_gpu_slice(emulator, node)
+        kubeconfig = emulator.write_kubeconfig(tmp_path / "kubeconfig", user=SERVICE_ACCOUNT)
+        log = tmp_path / "run.log"
+        with log.open("wb") as stderr:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "detector.cli.main", "run", "--nvml", f"fake:{SCENARIO}", "--node-name", NODE,
+                 "--kubeconfig", str(kubeconfig), "--listen", "127.0.0.1:0", "--start-spread", "0",
+                 "--checks", "driver,node", "--config", str(config), "--verify-sweeps", "2",
+                 "--dra-taints", "--reset-gpus", "--reset-interval", "0"],
+                cwd=REPO, env={**os.environ, "NODE_NAME": ""}, stdout=subprocess.DEVNULL, stderr=stderr)
+        try:
+            def events() -> list[str]:
+                return [e.get("message", "") for e in emulator.events() if e.get("reason") == "GpuReset"]
+
+            deadline = time.monotonic() + 60
+            while not any("the reset worked" in m for m in events()) and time.monotonic() < deadline \
+                    and proc.poll() is None:
+                time.sleep(0.2)
+            assert any(m.startswith("GPU 3 (") and "reset done" in m for m in events()), \
+                (events(), log.read_text()[-3000:])
+            assert any("the reset worked" in m for m in events()), events()
+            name = rule_name(NODE, "gpu-3")
+            while name in {r["metadata"]["name"] for r in emulator.device_taint_rules()} \
+                    and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert name not in {r["metadata"]["name"] for r in emulator.device_taint_rules()}
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()

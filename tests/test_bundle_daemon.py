@@ -111,6 +111,32 @@ def test_a_full_queue_drops_with_a_log_line_and_never_blocks(tmp_path, caplog):
     assert keeper.dropped == 1 and "dropped" in caplog.text
 
 
+def test_a_reset_waits_for_its_bundle_but_no_longer_than_it_said(tmp_path):
+    """The GPU reset asks for the evidence on its own thread and waits (bounded) until it is written, so the
+    bundle shows the GPU before the reset; a writer slower than the wait, or a dropped request, says False."""
+    stop = threading.Event()
+    calls: list = []
+    keeper = BundleKeeper(tmp_path / "bundles", _writer(calls))
+    worker = threading.Thread(target=keeper.run, args=(stop,), daemon=True)
+    worker.start()
+    try:
+        assert keeper.capture("GpuReset", [GPU3], wait_s=10.0) is True
+        assert [c.gpus for c in calls] == [(GPU3,)] and len(keeper.written) == 1   # written before it returned
+        slow = threading.Event()
+        late = BundleKeeper(tmp_path / "late", _writer([], block=slow))
+        late_worker = threading.Thread(target=late.run, args=(stop,), daemon=True)
+        late_worker.start()
+        t0 = time.monotonic()
+        assert late.capture("GpuReset", [GPU3], wait_s=0.3) is False
+        assert time.monotonic() - t0 < 2.0
+        slow.set()
+    finally:
+        stop.set()
+    full = BundleKeeper(tmp_path / "full", _writer([]), KeeperSettings(queue=1))
+    full.capture("first", [GPU5])                          # waits in the queue (no worker)
+    assert full.capture("GpuReset", [GPU3], wait_s=5.0) is False and full.dropped == 1   # dropped: no wait
+
+
 def test_the_last_few_are_kept_within_the_disk_cap(tmp_path):
     folder = tmp_path / "bundles"
     keeper = BundleKeeper(folder, _writer([]), KeeperSettings(keep=2, max_total_bytes=10_000))

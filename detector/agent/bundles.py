@@ -19,7 +19,7 @@ import queue
 import shutil
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -56,6 +56,8 @@ class _Request:
     incident: str
     gpus: tuple[GpuRef, ...]
     asked: float
+    done: threading.Event = field(default_factory=threading.Event, compare=False)   # written, failed or dropped
+    kept: list[Path] = field(default_factory=list, compare=False)                   # where, once written
 
 
 class BundleKeeper(AgentSink):
@@ -97,12 +99,15 @@ class BundleKeeper(AgentSink):
 
     # -- noticing (the agent's thread: returns at once) ------------------------------------------------
 
-    def capture(self, reason: str, gpus: list[GpuRef]) -> None:
-        """Queue a bundle about `gpus` (non-blocking: it appears later under the bundles folder). Another
-        part of the daemon (a GPU reset) asks for one this way before it acts."""
+    def capture(self, reason: str, gpus: list[GpuRef], wait_s: float = 0.0) -> bool:
+        """Queue a bundle about `gpus`; it appears under the bundles folder. Another part of the daemon (a GPU
+        reset, on its own thread) asks for one this way before it acts, and may wait up to `wait_s` for it to
+        be written, so the evidence is taken before the act destroys it. True when it was written in time."""
         with self._lock:
             incident = self._incident or self._new_incident(reason)
-        self._enqueue(_Request(reason, incident, tuple(gpus), time.time()))
+        request = _Request(reason, incident, tuple(gpus), time.time())
+        self._enqueue(request)
+        return request.done.wait(wait_s) and bool(request.kept)
 
     def gpus(self, health: list[GpuHealth]) -> None:
         failed = {gpu_key(h.gpu): h.gpu for h in health if h.state == FAILED}
@@ -142,6 +147,7 @@ class BundleKeeper(AgentSink):
         try:
             self._queue.put_nowait(request)
         except queue.Full:
+            request.done.set()
             self.dropped += 1
             log.warning("evidence bundle for %r dropped: %d requests already wait for the writer",
                         request.reason, self.settings.queue)
@@ -157,9 +163,14 @@ class BundleKeeper(AgentSink):
                 continue
             if request is None:
                 return
-            self._take(request)
+            try:
+                out = self._take(request)
+                if out is not None:
+                    request.kept.append(out)
+            finally:
+                request.done.set()
 
-    def _take(self, request: _Request) -> None:
+    def _take(self, request: _Request) -> Path | None:
         out = self.folder / bundle_name(request.reason, request.asked)
         n = 1
         while out.exists():
@@ -175,7 +186,7 @@ class BundleKeeper(AgentSink):
         except Exception as e:  # noqa: BLE001 - a bundle that fails never takes the daemon with it
             log.warning("evidence bundle %s failed: %s: %s", out, type(e).__name__, e)
             shutil.rmtree(out, ignore_errors=True)
-            return
+            return None
         self.written.append(out)
         total = sum(f["bytes"] for f in manifest.files)
         log.info("evidence bundle kept: %s (%d files, %d bytes, %.1f s) for %s", out, len(manifest.files), total,
@@ -186,6 +197,7 @@ class BundleKeeper(AgentSink):
                 self.on_kept(out, manifest)
             except Exception:  # noqa: BLE001
                 log.exception("reporting the evidence bundle failed")
+        return out
 
     def prune(self) -> None:
         """Keep the newest `keep` bundles within `max_total_bytes`; the oldest go first (by name: UTC time)."""

@@ -66,6 +66,9 @@ FINAL_SEND_S = 4.0       # ... and the last send; the DaemonSet's grace period i
 # sender stuck, are not "reporting" even before the API server has refused anything. Longer than one
 # request's whole deadline (kube/api.py REQUEST_DEADLINE_S, 30 s), shorter than two.
 OVERDUE_S = 45.0
+# How long a GPU reset waits for the evidence bundle it asked for (the reset's own thread waits, never the
+# agent's): nvidia-smi's 30 s and its nvlink listing's 15 s, with room for the rest of the bundle.
+BUNDLE_BEFORE_RESET_WAIT_S = 90.0
 
 @dataclass
 class DaemonSettings:
@@ -133,7 +136,9 @@ class Daemon:
             host.node_status = self.node_watch.current
         self.bundles = self._bundle_keeper(ruleset, fresh_checks, verdict)
         if before_reset is None:
-            before_reset = self.bundles.capture if self.bundles is not None else (lambda reason, gpus: None)
+            keeper = self.bundles
+            before_reset = (lambda reason, gpus: None) if keeper is None else \
+                (lambda reason, gpus: keeper.capture(reason, gpus, wait_s=BUNDLE_BEFORE_RESET_WAIT_S) and None)
         self.resetter: GpuResetter | None = None
         if self.settings.gpu_reset is not None and self.device_taints is not None:
             taints = self.device_taints

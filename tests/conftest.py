@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -66,3 +67,12 @@ def node_for(scenario: str, name: str | None = None) -> FakeNode:
 
 def diagnose_scenario(scenario: str, registry: CheckRegistry, **kwargs) -> Outcome:
     return diagnose_host(fake_host(node_for(scenario)), registry, **kwargs)
+
+
+def stop_process(proc: subprocess.Popen, timeout_s: float = 15.0) -> None:
+    """End a gpu-npd the test started: SIGTERM (its polite stop), then SIGKILL if it outlives `timeout_s`."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()

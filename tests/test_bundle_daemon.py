@@ -18,6 +18,7 @@ from detector.agent.bundle_writer import BundleOptions, Manifest
 from detector.agent.bundles import BundleKeeper, KeeperSettings
 from detector.core.gpu_health import GpuHealth
 from detector.core.types import GpuRef
+from conftest import stop_process
 from detector.daemon.local import REPO_DEPLOY
 from kube_emulator import Emulator
 
@@ -54,11 +55,7 @@ def test_gpu_npd_run_keeps_a_bundle_when_gpu_3_falls_off_the_bus(tmp_path):
             assert "Xid" in (bundles[0] / "kernel.log").read_text()
             assert manifest["bytes"] <= 64 << 20
         finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            stop_process(proc, 10)
 
 
 # -- the keeper alone -------------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, node_for
+from conftest import REPO, node_for, stop_process
 from detector.agent.gpu_reset import GpuResetter, ResetSettings
 from detector.backends.children import ToolOutcome
 from detector.backends.gpu_reset import DONE, FAILED, IN_USE, NOT_SUPPORTED, classify
@@ -337,7 +337,6 @@ def test_gpu_npd_run_reset_gpus_resets_gpu_3_and_lifts_its_taint(tmp_path):
     """The issue's acceptance as a person runs it: `gpu-npd run --nvml fake:h100-sxm-8-driver-recovery-reset
     --reset-gpus --dra-taints` against the emulator, with the DaemonSet's and the DRA overlay's RBAC."""
     import os
-    import signal
     import subprocess
     import sys
     import time
@@ -376,8 +375,4 @@ def test_gpu_npd_run_reset_gpus_resets_gpu_3_and_lifts_its_taint(tmp_path):
                 time.sleep(0.2)
             assert name not in {r["metadata"]["name"] for r in emulator.device_taint_rules()}
         finally:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            stop_process(proc)

@@ -8,7 +8,6 @@ from __future__ import annotations
 import calendar
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -16,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import stop_process
 from detector import __version__
 from detector.checks.node.history import HISTORY_FILE, GpuRecord, History, Incident, read_history
 from detector.cli.main import main
@@ -222,11 +222,7 @@ def test_gpu_npd_run_xid79_then_history_rma_lists_gpu_3(tmp_path):
                 time.sleep(0.2)
             assert _history_gpus(state) and _kept_bundles(state), (tmp_path / "log").read_text()[-3000:]
         finally:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            stop_process(proc)
     result = subprocess.run([sys.executable, "-m", "detector.cli.main", "history", "--state-dir", str(state),
                              "--rma", "-o", "json"], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr

@@ -13,7 +13,6 @@ incident already kept is a new incident of its own (its own bundle); the ask tha
 
 from __future__ import annotations
 
-import json
 import logging
 import queue
 import shutil
@@ -24,6 +23,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from detector.agent.active import ConditionStatus
+from detector.agent.bundle_index import BUNDLES_DIR, read_bundles
 from detector.agent.agent import AgentSink
 from detector.agent.bundle_writer import BundleOptions, Manifest, bundle_name, prepare_folder
 from detector.core.gpu_health import GpuHealth, gpu_key
@@ -31,7 +31,7 @@ from detector.core.types import GpuRef
 
 log = logging.getLogger("gpu_npd.bundles")
 
-BUNDLES = "bundles"
+BUNDLES = BUNDLES_DIR        # the bundles folder under the state directory
 FAILED = "failed"
 
 
@@ -82,20 +82,11 @@ class BundleKeeper(AgentSink):
             self._resume(boot_id)
 
     def _resume(self, boot_id: str) -> None:
-        """The incident a previous run of the daemon kept in this boot, from the manifests it wrote."""
-        from detector.backends.safefile import read_bounded
-
-        for bundle in sorted(self.folder.iterdir()) if self.folder.is_dir() else []:
-            try:
-                manifest = json.loads(read_bounded(bundle / "manifest.json", 1 << 20, "bundle manifest"))
-            except (OSError, ValueError):
-                continue
-            if not isinstance(manifest, dict) or manifest.get("boot_id") != boot_id:
-                continue
-            self._incident = str(manifest.get("incident") or bundle.name)
-            for g in manifest.get("gpus") or []:
-                if isinstance(g, dict):
-                    self._incident_gpus.add(gpu_key(GpuRef(g.get("index"), g.get("uuid"), g.get("pci_bus_id"))))
+        """The incident a previous run of the daemon kept in this boot (the newest bundle's) and the GPUs its
+        bundles named, from the manifests it wrote."""
+        for bundle in (b for b in read_bundles(self.folder.parent)[0] if b.boot_id == boot_id):   # newest first
+            self._incident = self._incident or bundle.incident or bundle.path.name
+            self._incident_gpus.update(gpu_key(GpuRef(g.index, g.uuid, g.pci_bus_id)) for g in bundle.gpus)
 
     # -- noticing (the agent's thread: returns at once) ------------------------------------------------
 

@@ -20,7 +20,7 @@ from pathlib import Path
 from detector import __version__
 from detector.checks.node.check import NodeStateCheck, span
 from detector.checks.node.history import HISTORY_FILE, GpuRecord, read_history
-from detector.cli.bundle_index import read_bundles
+from detector.agent.bundle_index import read_bundles
 from detector.cli.rma import render_rma, rma_report
 from detector.config import UsageError, load_check_settings
 from detector.yamlsource import MappingReader, SourceError

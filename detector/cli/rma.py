@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from detector.checks.node.history import GpuRecord, Incident
-from detector.cli.bundle_index import Bundle
+from detector.agent.bundle_index import Bundle
 
 MESSAGE_MAX = 80                 # an incident's message in the table (the JSON has it whole)
 NO_SERIAL = ("serial unknown: NVML could not read it (a GPU lost before gpu-npd saw it work); read it from "

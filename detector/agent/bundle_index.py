@@ -1,4 +1,5 @@
-"""The evidence bundles the daemon kept in its state directory, as `gpu-npd history --rma` lists them.
+"""The evidence bundles the daemon kept in its state directory, as read back: by `gpu-npd history --rma`, and
+by a restarted daemon (which incident it already kept in this boot).
 
 Each bundle is a folder `<state-dir>/bundles/<UTC time>-<reason>/` whose `manifest.json` says what it holds
 and which GPUs it names:
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from detector.backends.pciaddr import normalize_bus_id
 from detector.backends.safefile import UnsafeFile, read_text_bounded
 
 BUNDLES_DIR = "bundles"
@@ -64,6 +66,8 @@ class Bundle:
     gpus: tuple[BundleGpu, ...]
     redacted: bool | None
     truncated: tuple[str, ...]   # files the size cap cut or left out
+    boot_id: str = ""            # the boot it was taken in
+    incident: str = ""           # the daemon's incident it belongs to
 
     def names(self, serial: str | None, uuid: str | None, pci_bus_id: str | None) -> BundleGpu | None:
         """The entry of this bundle that is the GPU of these identities (BundleGpu.same), None if none is."""
@@ -75,14 +79,12 @@ class Bundle:
 
 
 def bus_id(text: str) -> str:
-    """A PCI bus id in one spelling: NVML writes `00000000:5D:00.0`, the kernel `0000:5d:00.0`."""
-    parts = text.strip().lower().split(":")
-    if len(parts) == 3:
-        try:
-            return f"{int(parts[0], 16):04x}:{parts[1]}:{parts[2]}"
-        except ValueError:
-            pass
-    return ":".join(parts)
+    """A PCI bus id in one spelling (NVML's `00000000:5D:00.0` and the kernel's `0000:5d:00.0` alike); a text
+    that is no bus id stays as written, lower case."""
+    try:
+        return normalize_bus_id(text)
+    except ValueError:
+        return text.strip().lower()
 
 
 def read_bundles(state_dir: Path) -> tuple[list[Bundle], list[str]]:
@@ -134,7 +136,8 @@ def parse_manifest(path: Path, data: Any) -> Bundle:
     if size is not None and (type(size) is not int or size < 0):
         raise ValueError(f"bytes is {size!r}, not a size")
     return Bundle(path, _text(data, "created"), size, _text(data, "node"), _text(data, "reason"),
-                  tuple(_gpu(g, i) for i, g in enumerate(gpus)), _flag(data, "redacted"), _names(data, "truncated"))
+                  tuple(_gpu(g, i) for i, g in enumerate(gpus)), _flag(data, "redacted"), _names(data, "truncated"),
+                  _text(data, "boot_id"), _text(data, "incident"))
 
 
 def _gpu(g: Any, i: int) -> BundleGpu:

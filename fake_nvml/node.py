@@ -4,6 +4,7 @@ and fake kernel log, so a fault injected once is seen the same way by every sour
 from __future__ import annotations
 
 import copy
+import re
 import threading
 import time
 import uuid
@@ -12,6 +13,7 @@ from typing import Any, Callable, Protocol
 
 from fake_nvml.ib_port import FakeIbPort, ports_from_dicts
 from fake_nvml.models import GpuModel, model_by_key
+from fake_nvml.identity import board_of
 
 Clock = Callable[[], float]
 UP_BEFORE_START_S = 3600.0      # how long a fake node has been up when it is built (see FakeNode.uptime_s)
@@ -221,6 +223,9 @@ class TimedFault:
     fault: NodeFault
 
 
+_XID_ON = re.compile(r"^NVRM: Xid \(PCI:([0-9a-fA-F]{4,8}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2})")
+
+
 class FakeNode:
     """A fake GPU node whose faults can be injected at any time, from any thread.
 
@@ -238,6 +243,7 @@ class FakeNode:
         self._first_boot = True          # the boot the node was built in (see uptime_s)
         self._timeline = sorted(timeline or [], key=lambda t: t.at_s)
         self._kernel: list[KernelRecord] = []
+        self._introduced: set[str] = set()   # GPUs (`0000:5d:00`) the driver named before an Xid this boot
         self._xids: list[XidEvent] = []
         self._on_change = on_change
         self.injected: list[tuple[float, NodeFault]] = []
@@ -363,7 +369,21 @@ class FakeNode:
 
     def log_kernel(self, message: str, priority: int = 3) -> None:
         """Append a kernel log line (called by faults, under the lock; the lock is re-entrant, and
-        notifying waiting readers needs it held)."""
+        notifying waiting readers needs it held). Before a GPU's first Xid of the boot, the driver's two
+        lines naming it (`NVRM: GPU at PCI:...: GPU-...`, `NVRM: GPU Board Serial Number: ...`), as the
+        real driver prints them (leptonai/gpud components/accelerator/nvidia/sxid/README.md)."""
+        with self._kernel_logged:
+            xid = _XID_ON.match(message)
+            if xid and xid[1].lower() not in self._introduced:
+                self._introduced.add(xid[1].lower())
+                gpu = next((g for g in self._state.gpus if g.pci_bus_id.lower().startswith(xid[1].lower())), None)
+                if gpu is not None:
+                    serial = gpu.serial if board_of(gpu.model.key).has_inforom else "0"
+                    self._append_kernel(f"NVRM: GPU at PCI:{xid[1]}: {gpu.uuid}", priority)
+                    self._append_kernel(f"NVRM: GPU Board Serial Number: {serial}", priority)
+            self._append_kernel(message, priority)
+
+    def _append_kernel(self, message: str, priority: int) -> None:
         with self._kernel_logged:
             seq = len(self._kernel)
             self._kernel.append(KernelRecord(seq, self.uptime_usec(), priority, message))
@@ -375,6 +395,7 @@ class FakeNode:
         with self._kernel_logged:
             self._state.boot_id = str(uuid.uuid4())
             self._kernel = []
+            self._introduced = set()
             self._boot_started = self._clock()
             self._first_boot = False
             self._log_driver_load()

@@ -20,6 +20,7 @@ from detector import __version__
 from detector.checks.node.history import HISTORY_FILE, GpuRecord, History, Incident, read_history
 from detector.cli.main import main
 from fake_nvml.faults import Fault
+from fake_nvml.scenario import load_scenario
 from kube_emulator import Emulator
 from test_daemon_e2e import FAST_CHECKS, emulator, fast_settings, running  # noqa: F401 - fixtures
 
@@ -201,11 +202,11 @@ def test_daemon_then_history_rma_names_gpu_3_by_serial(running, tmp_path, capsys
     assert [b["path"] for b in gpu["bundles"]] == [str(p.parent) for p in _kept_bundles(state)], out
 
 
-def test_gpu_npd_run_xid79_then_history_rma_lists_gpu_3(tmp_path):
+def test_gpu_npd_run_xid79_then_history_rma_lists_gpu_3_by_serial(tmp_path):
     """The issue's acceptance, as a person runs it: `gpu-npd run --nvml fake:h100-sxm-8-xid79 --state-dir S`
-    against the emulator, then `gpu-npd history --state-dir S --rma`. On this scenario GPU 3 is lost before
-    the daemon's first NVML read, so NVML never gave its serial: it is listed by its bus id, with the serial
-    said to be unknown and where to read it (never a serial guessed from its slot)."""
+    against the emulator, then `gpu-npd history --state-dir S --rma`. GPU 3 is lost before the daemon's first
+    NVML read, so NVML never gives its serial: the driver's `NVRM: GPU Board Serial Number:` line, printed
+    before the GPU's first Xid, does."""
     state = tmp_path / "state"
     env = {**os.environ, "NODE_NAME": "", "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     with Emulator(rbac_paths=(REPO / "deploy" / "base",)) as emu:
@@ -227,11 +228,11 @@ def test_gpu_npd_run_xid79_then_history_rma_lists_gpu_3(tmp_path):
                              "--rma", "-o", "json"], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     [gpu] = json.loads(result.stdout)["gpus"]
-    assert gpu["index"] == 3 and gpu["pci_bus_id"].lower().endswith("5d:00.0")
+    board = load_scenario("h100-sxm-8-xid79").build("gpu-9").snapshot().gpus[3]
+    assert (gpu["index"], gpu["serial"], gpu["uuid"]) == (3, board.serial, board.uuid)
+    assert gpu["pci_bus_id"].lower().endswith("5d:00.0") and gpu["note"] is None
     assert "Xid79GpuFellOffBus" in {i["reason"] for i in gpu["incidents"]}
-    if gpu["serial"] is None:
-        assert "serial unknown" in gpu["note"]
-    else:                                          # a later daemon that remembers or captures the serial
-        from conftest import node_for
-        assert gpu["serial"] == node_for("h100-sxm-8-xid79").snapshot().gpus[3].serial
     assert [b["path"] for b in gpu["bundles"]] == [str(p.parent) for p in _kept_bundles(state)], result.stdout
+    table = subprocess.run([sys.executable, "-m", "detector.cli.main", "history", "--state-dir", str(state),
+                            "--rma"], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    assert f"GPU 3  serial {board.serial}" in table.stdout, table.stdout

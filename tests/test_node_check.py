@@ -215,6 +215,63 @@ def test_incidents_on_three_boots_in_thirty_days_make_the_gpu_flaky_by_serial(re
     assert not conditions["GpuNodeNeedsRemediation"][0]        # a flaky GPU is fenced, not rebooted for
 
 
+def test_a_gpu_lost_while_the_daemon_was_away_is_kept_by_the_serial_read_in_this_boot(registry, rules, tmp_path):
+    """NVML has no handle for a GPU off the bus, so no serial: a daemon restarted after GPU 3 fell (a
+    rollout, an OOM kill) takes the serial it read at that bus id earlier in the same boot."""
+    boots = Boots(registry, rules, tmp_path)
+    gpu3 = boots.node.read(lambda state: state.gpus[3])
+    boots.sweep()                                   # every GPU read once
+    boots.node.inject(Fault("xid", 3, {"code": 79}))
+    boots.agent = boots._start()                    # the same boot: a new daemon, nothing in its memory
+    boots.sweep()
+    [record] = read_history(tmp_path)[0].gpus.values()
+    assert (record.key, record.serial, record.uuid, record.index) == (gpu3.serial, gpu3.serial, gpu3.uuid, 3)
+    assert record.pci_bus_id.lower().endswith(gpu3.pci_bus_id.lower()[-12:])
+
+
+def test_a_gpu_lost_with_no_serial_anywhere_is_kept_without_one_and_the_earlier_board_is_a_hint(
+        registry, rules, tmp_path, capsys):
+    """Lost before this boot's first read, and no `GPU Board Serial Number` line (only NVML's XID event): after
+    a reboot the board at a bus id may be another one (the RMA itself swaps it), so the serial read there in
+    an earlier boot is a hint in `history --rma`, never the lost GPU's serial."""
+    boots = Boots(registry, rules, tmp_path)
+    gpu3 = boots.node.read(lambda state: state.gpus[3])
+    boots.sweep()
+    boots.reboot()
+    boots.node.inject(Fault("xid", 3, {"code": 79, "via": "nvml"}))   # lost before the new boot's first read
+    boots.sweep()
+    [record] = read_history(tmp_path)[0].gpus.values()
+    assert record.serial is None and record.key in (record.uuid, record.pci_bus_id)
+    assert main(["history", "--state-dir", str(tmp_path), "--rma", "-o", "json"]) == 0
+    [gpu] = json.loads(capsys.readouterr().out)["gpus"]
+    assert gpu["serial"] is None and gpu["last_read_at_bus_id"]["serial"] == gpu3.serial
+    assert gpu["note"].startswith("serial unknown") and f"last read serial {gpu3.serial}" in gpu["note"]
+    assert "unless it was replaced since" in gpu["note"]
+    assert main(["history", "--state-dir", str(tmp_path), "--rma"]) == 0
+    assert f"last read serial {gpu3.serial}" in capsys.readouterr().out
+
+
+def test_a_gpu_lost_before_it_was_read_is_kept_by_the_serial_the_driver_printed(registry, rules, tmp_path):
+    """The driver prints a GPU's UUID and board serial before its first Xid of the boot
+    (`NVRM: GPU Board Serial Number: ...`): a GPU lost before gpu-npd ever read it is still kept by serial."""
+    boots = Boots(registry, rules, tmp_path)
+    gpu3 = boots.node.read(lambda state: state.gpus[3])
+    boots.node.inject(Fault("xid", 3, {"code": 79}))     # before the daemon's first read, in a new state dir
+    boots.sweep()
+    [record] = read_history(tmp_path)[0].gpus.values()
+    assert (record.key, record.serial, record.uuid) == (gpu3.serial, gpu3.serial, gpu3.uuid)
+
+
+def test_a_failed_read_does_not_forget_the_serial_read_before():
+    history = History(None)
+    history.note_seen("0000:5d:00.0", "1650000000003", "GPU-3", "boot-1", 10.0)
+    history.note_seen("0000:5d:00.0", None, "GPU-3", "boot-1", 20.0)    # the serial call failed this time
+    assert history.seen_in_boot("0000:5d:00.0", "boot-1").serial == "1650000000003"
+    assert history.seen_in_boot("0000:5d:00.0", "boot-2") is None
+    history.note_seen("0000:5d:00.0", "1650000000099", "GPU-9", "boot-2", 30.0)   # another board, a new boot
+    assert history.seen_in_boot("0000:5d:00.0", "boot-2").serial == "1650000000099"
+
+
 def test_the_incident_count_is_a_per_gpu_metric(registry, rules, tmp_path):
     boots = Boots(registry, rules, tmp_path)
     metrics = AgentMetrics()

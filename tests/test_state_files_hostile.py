@@ -21,7 +21,7 @@ from detector.agent.active import PROBLEMS_LIMIT, ActiveProblems, Latch, Verifyi
 from detector.agent.agent import (CLEAR_FILE, PROBLEMS_FILE, AgentSettings, NodeAgent, write_clear_request,
                                   write_json)
 from detector.backends.kernlog import CursorStore, KmsgReader
-from detector.checks.node.history import (HISTORY_FILE, HISTORY_LIMIT, MAX_BOOTS, MAX_GPUS, MAX_INCIDENTS,
+from detector.checks.node.history import (HISTORY_FILE, HISTORY_LIMIT, MAX_BOOTS, MAX_GPUS, MAX_INCIDENTS, MAX_SEEN,
                                           MAX_PROBLEMS, GpuRecord, History, Incident, read_history)
 from detector.cli.main import main
 from detector.config import build_checks
@@ -187,11 +187,16 @@ def test_the_fullest_history_fits_its_limit(tmp_path):
         for i in range(MAX_INCIDENTS):
             history.note_incident(record, Incident(1.7e9 + i + 0.123456, f"6f1c2e0a-3b4d-4e5f-8a9b-{i:012d}",
                                                    "Xid79GpuFellOffBus", "RESTART_BM"))
+    for g in range(MAX_SEEN + 10):
+        history.note_seen(f"00000000:{g:02x}:00.0", f"1654922{g:06d}", f"GPU-13719f71-412c-d11e-b236-a262f53{g:05d}",
+                          "6f1c2e0a-3b4d-4e5f-8a9b-000000000000", 1.7e9 + g)
+    history.prune(1.7e9 + MAX_BOOTS)
     history.save()
     size = (tmp_path / HISTORY_FILE).stat().st_size
     assert size * 2 < HISTORY_LIMIT, size
     again = History(tmp_path / HISTORY_FILE)
     assert again.load() is None and len(again.boots) == MAX_BOOTS and len(again.gpus) == MAX_GPUS
+    assert len(again.seen) == MAX_SEEN and "00000000:00:00.0" not in again.seen   # the oldest boards went
 
 
 def test_every_bundled_rule_held_naming_64_gpus_fits_the_problems_limit(registry, rules, tmp_path):

@@ -24,7 +24,7 @@ from detector.core import saved
 from detector.core.check import Check
 from detector.core.gpu_health import APPLICATION_ACTIONS, GpuHealth, carry_since, fuller, gpu_health, gpu_key
 from detector.core.inventory import Inventory
-from detector.core.nodecheck import NodeCheck, NodeView, judge_node
+from detector.core.nodecheck import NodeCheck, NodeView, board_serials, judge_node
 from detector.core.nodestatus import MAINTENANCE_ANNOTATION, MAINTENANCE_CONDITIONS
 from detector.core.nvlink_domain import DomainFacts
 from detector.core.sweep import CheckRun, Host, SweepResult, run_sweep
@@ -194,6 +194,9 @@ class NodeAgent:
         over = result.boot != boot
         changed = self.active.expire(now, boot) | self._take_clear_request()
         problems: list[Problem] = []
+        if not over:
+            for key, serial in board_serials(result.runs).items():
+                self._serials.setdefault(key, serial)         # NVML's own reading comes first
         for run in result.runs:
             if not over:
                 self._domain.observe(run.observations, boot)

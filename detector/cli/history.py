@@ -19,7 +19,7 @@ from pathlib import Path
 
 from detector import __version__
 from detector.checks.node.check import NodeStateCheck, span
-from detector.checks.node.history import HISTORY_FILE, GpuRecord, read_history
+from detector.checks.node.history import HISTORY_FILE, GpuRecord, SeenGpu, read_history
 from detector.agent.bundle_index import read_bundles
 from detector.cli.rma import render_rma, rma_report
 from detector.config import UsageError, load_check_settings
@@ -78,7 +78,7 @@ def cmd_history(args: argparse.Namespace) -> int:
                   f"{known})", file=sys.stderr)
             return 1
     if args.rma:
-        return _rma(args, gpus)
+        return _rma(args, gpus, history.seen)
     if args.output == "json":
         print(json.dumps({"gpus": [asdict(g) for g in gpus], "boots": [asdict(b) for b in history.boots]},
                          indent=2))
@@ -87,12 +87,12 @@ def cmd_history(args: argparse.Namespace) -> int:
     return 0
 
 
-def _rma(args: argparse.Namespace, gpus: list[GpuRecord]) -> int:
+def _rma(args: argparse.Namespace, gpus: list[GpuRecord], seen: dict[str, SeenGpu]) -> int:
     flaky_boots, flaky_window = flaky_rule(args.config)
     bundles, notes = read_bundles(args.state_dir)
     node = args.node_name or next((b.node for b in bundles if b.node), "") or "unknown"
     report = rma_report(gpus, bundles, node=node, now=time.time(), version=__version__, state_dir=args.state_dir,
-                        flaky_boots=flaky_boots, flaky_window_s=flaky_window, notes=notes)
+                        flaky_boots=flaky_boots, flaky_window_s=flaky_window, notes=notes, seen=seen)
     if args.output == "json":
         print(json.dumps(report.to_dict(), indent=2))
     else:

@@ -5,9 +5,11 @@ each is listed: by serial (else UUID, else bus id), with its incidents, the boot
 is flaky by the node check's own rule (incidents on `flaky_boots` distinct boots within `flaky_window`),
 and the evidence bundles that name it. Most incidents first: the GPU to look at first is on top.
 
-A GPU NVML lost before gpu-npd read its serial (one that fell off the bus in the first seconds of a boot)
-is kept by its UUID or bus id: the report says its serial is unknown and where to read it, never a serial
-guessed from the slot (another board may sit there now).
+A GPU lost later in a boot in which gpu-npd had read it is kept by that serial (the history's `seen`
+boards), and one lost before that by the serial the driver printed before its first Xid. One with neither
+(no such line, and gpu-npd never read it in that boot) is kept by its UUID or bus id: the report says
+its serial is unknown and where to read it, and names the board gpu-npd last read at that bus id in
+another boot as a hint, never as its serial (the board may have been replaced in between).
 """
 
 from __future__ import annotations
@@ -17,12 +19,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from detector.checks.node.history import GpuRecord, Incident
+from detector.checks.node.history import GpuRecord, Incident, SeenGpu
 from detector.agent.bundle_index import Bundle
 
 MESSAGE_MAX = 80                 # an incident's message in the table (the JSON has it whole)
-NO_SERIAL = ("serial unknown: NVML could not read it (a GPU lost before gpu-npd saw it work); read it from "
-             "the board's label, the BMC's inventory, or an earlier boot's `nvidia-smi -q`")
+NO_SERIAL = ("serial unknown: neither NVML (a GPU lost before gpu-npd read it in that boot) nor the kernel log "
+             "(the driver's `GPU Board Serial Number` line) gave it; read it from the board's label, the BMC's "
+             "inventory, or an earlier boot's `nvidia-smi -q`")
 
 
 @dataclass(frozen=True)
@@ -33,6 +36,18 @@ class RmaGpu:
     flaky: bool
     bundles: tuple[Bundle, ...]
     model: str | None
+    last_read: SeenGpu | None = None      # the board last read at its bus id, for a GPU of unknown serial
+
+    def note(self) -> str | None:
+        """Why the serial is unknown, with the hint of the board last read at its bus id."""
+        if self.record.serial:
+            return None
+        board = self.last_read
+        if board is None or not board.serial:
+            return NO_SERIAL
+        return (f"{NO_SERIAL}. At bus id {board.pci_bus_id} gpu-npd last read serial {board.serial} "
+                f"(boot {board.boot[:8]}, {_when(board.time)}): this board unless it was replaced since; "
+                "check the label")
 
     def to_dict(self) -> dict[str, Any]:
         r = self.record
@@ -42,7 +57,10 @@ class RmaGpu:
                 "incidents": [{"time": _when(i.time), "boot": i.boot, "reason": i.reason, "action": i.action,
                                "message": i.message or None} for i in _oldest_first(r.incidents)],
                 "bundles": [b.to_dict() for b in self.bundles],
-                "note": None if r.serial else NO_SERIAL}
+                "last_read_at_bus_id": None if r.serial or self.last_read is None else {
+                    "serial": self.last_read.serial, "uuid": self.last_read.uuid, "boot": self.last_read.boot,
+                    "time": _when(self.last_read.time)},
+                "note": self.note()}
 
 
 @dataclass(frozen=True)
@@ -64,7 +82,8 @@ class RmaReport:
 
 
 def rma_report(gpus: list[GpuRecord], bundles: list[Bundle], *, node: str, now: float, version: str,
-               state_dir: Path, flaky_boots: int, flaky_window_s: float, notes: list[str]) -> RmaReport:
+               state_dir: Path, flaky_boots: int, flaky_window_s: float, notes: list[str],
+               seen: dict[str, SeenGpu] | None = None) -> RmaReport:
     """Each GPU with its incidents judged by the flaky rule and the bundles naming it; most incidents
     first, then most boots, then the most recent incident."""
     since = now - flaky_window_s
@@ -75,7 +94,7 @@ def rma_report(gpus: list[GpuRecord], bundles: list[Bundle], *, node: str, now: 
         entries = (b.names(record.serial, record.uuid, record.pci_bus_id) for b in named)
         model = next((g.model for g in entries if g is not None and g.model), None)
         out.append(RmaGpu(record, len({i.boot for i in record.incidents}), in_window, in_window >= flaky_boots,
-                          named, model))
+                          named, model, (seen or {}).get(record.pci_bus_id or "")))
     out.sort(key=lambda g: (-len(g.record.incidents), -g.boots,
                             -max((i.time for i in g.record.incidents), default=0.0), g.record.key))
     return RmaReport(node, now, version, state_dir, flaky_boots, flaky_window_s, tuple(out), tuple(notes))
@@ -99,8 +118,9 @@ def render_rma(report: RmaReport, window_text: str) -> str:
         lines.append(f"  uuid:       {r.uuid or 'unknown'}")
         lines.append(f"  bus id:     {r.pci_bus_id or 'unknown'}")
         lines.append(f"  model:      {g.model or 'unknown'}")
-        if not r.serial:
-            lines.append(f"  note:       {NO_SERIAL}")
+        note = g.note()
+        if note:
+            lines.append(f"  note:       {note}")
         lines.append(f"  incidents:  {len(r.incidents)} on {g.boots} boot(s); {g.boots_in_window} boot(s) "
                      f"within {window_text}")
         lines.append(f"    {'WHEN (UTC)':<20} {'BOOT':<10} {'ACTION':<16} {'REASON':<28} MESSAGE")

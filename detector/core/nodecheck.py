@@ -69,6 +69,17 @@ class NodeCheck(Check):
         raise CheckSkipped(f"the {self.name} check judges the node after the other checks, not on its own")
 
 
+def board_serials(runs: Sequence[CheckRun]) -> dict[str, str]:
+    """Bus id -> serial as the kernel log printed them (a check's result `board_serials`): the only place the
+    serial of a GPU NVML lost is still written (the driver prints it before the GPU's first Xid)."""
+    found: dict[str, str] = {}
+    for run in runs:
+        serials = (run.result or {}).get("board_serials")
+        if isinstance(serials, dict):
+            found.update({str(k): str(v) for k, v in serials.items()})
+    return found
+
+
 def sweep_view(sweep: SweepResult, problems: Sequence[Problem], node_scoped: frozenset[str],
                boot: str = "current", node_status: NodeStatus | None = None,
                uptime_s: float | None = None) -> NodeView:
@@ -76,7 +87,8 @@ def sweep_view(sweep: SweepResult, problems: Sequence[Problem], node_scoped: fro
     and there is no history beyond this process."""
     held = [p for p in problems if p.report == "condition"]
     refs = [g.ref() for g in sweep.inventory.gpus]
-    serials = {gpu_key(g.ref()): g.identity.serial for g in sweep.inventory.gpus if g.identity.serial}
+    serials = {**board_serials(sweep.runs),
+               **{gpu_key(g.ref()): g.identity.serial for g in sweep.inventory.gpus if g.identity.serial}}
     return NodeView(sweep.node, boot, time.time(), gpu_health(refs, held), held, list(problems), serials,
                     node_scoped, visible=tuple(refs), node_status=node_status, uptime_s=uptime_s,
                     maintenance=node_status.maintenance() if node_status is not None else "")

@@ -94,6 +94,9 @@ class NodeStateCheck(NodeCheck):
         boot = history.note_boot(view.boot, view.now, view.maintenance)
         for problem in _critical(view.held + view.found):
             history.note_problem(view.boot, f"{problem.type}/{problem.reason}", view.now)
+        for ref in view.visible:
+            if ref.pci_bus_id and ref.uuid:            # read, not lost: a lost GPU has no UUID to say
+                history.note_seen(ref.pci_bus_id, view.serials.get(gpu_key(ref)), ref.uuid, view.boot, view.now)
         if not boot.maintenance:               # KEP-5683: a boot of planned maintenance is no GPU's fault
             self._note_incidents(history, view)
         history.prune(view.now)
@@ -128,11 +131,14 @@ class NodeStateCheck(NodeCheck):
                 continue
             for ref in problem.gpus:
                 known = _known(ref, view.health)
-                serial = view.serials.get(gpu_key(known))
-                key = serial or known.uuid or known.pci_bus_id
+                serial, uuid = view.serials.get(gpu_key(known)), known.uuid
+                board = history.seen_in_boot(known.pci_bus_id, view.boot)    # read before it was lost
+                if board is not None:
+                    serial, uuid = serial or board.serial, uuid or board.uuid
+                key = serial or uuid or known.pci_bus_id
                 if not key:
                     continue
-                history.note_incident(GpuRecord(key, serial, known.uuid, known.pci_bus_id, known.index),
+                history.note_incident(GpuRecord(key, serial, uuid, known.pci_bus_id, known.index),
                                       Incident(view.now, view.boot, problem.reason, problem.action))
 
     # -- observations ---------------------------------------------------------------------------------

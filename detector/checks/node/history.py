@@ -5,10 +5,16 @@ is automation rebooting this node again and again for a problem that comes back 
 Does one GPU keep failing, boot after boot (a flaky GPU to send back)? GPUs are kept by serial, else by
 UUID, so a GPU is followed even when it moves to another slot or the node's bus numbering changes.
 
+A GPU that NVML lost (off the bus) has no serial to read: `nvmlDeviceGetHandleByIndex` fails, as `nvidia-smi`
+says ("Unable to determine the device handle for GPU ...: GPU is lost"). So the history also keeps, per bus
+id, the board gpu-npd last read there (`seen`): within the boot it was read in, that slot holds that board (a
+board is not swapped without a power cycle), so a GPU lost later in the boot, or after the daemon restarted,
+is recorded by its serial. From another boot it is only a hint (the board may have been replaced in between).
+
 Bounded: what is older than `retention_s` ages out, and at most MAX_BOOTS boots (MAX_PROBLEMS problems
-each), MAX_GPUS GPUs and MAX_INCIDENTS incidents per GPU are kept (the newest), so the file has a size
-limit it never legitimately reaches (HISTORY_LIMIT). Writes happen only when something new is learned
-(a boot, a problem in a boot, an incident), atomically through a fresh temporary name. A file that cannot
+each), MAX_GPUS GPUs and MAX_INCIDENTS incidents per GPU, and MAX_SEEN bus ids' boards are kept (the
+newest), so the file has a size limit it never legitimately reaches (HISTORY_LIMIT). Writes happen only
+when something new is learned (a boot, a problem in a boot, an incident, a board), atomically through a fresh temporary name. A file that cannot
 be read (a link, a FIFO, too big, corrupt, the wrong shape) is moved aside for a post-mortem, reported
 once, and the history starts afresh: it never stops the daemon.
 """
@@ -29,6 +35,7 @@ VERSION = 1
 MAX_BOOTS = 200
 MAX_GPUS = 64
 MAX_INCIDENTS = 100
+MAX_SEEN = 64                # bus ids whose last board is kept
 MAX_PROBLEMS = 32            # problem keys (type/reason) kept per boot: more in one boot adds nothing to a loop
 # The file at its fullest (MAX_BOOTS boots of MAX_PROBLEMS keys each, MAX_GPUS GPUs of MAX_INCIDENTS
 # incidents each) is about 1.7 MB as saved (tests/test_state_files_hostile.py builds it and checks it fits).
@@ -45,6 +52,17 @@ class BootRecord:
     problems: dict[str, float] = field(default_factory=dict)   # problem key -> first seen in this boot
     maintenance: str = ""                   # the planned maintenance it began in ("" if none): such a boot
                                             # counts towards neither remediation loops nor flaky GPUs
+
+
+@dataclass(frozen=True)
+class SeenGpu:
+    """The board gpu-npd last read at a bus id, and in which boot."""
+
+    pci_bus_id: str
+    serial: str | None
+    uuid: str | None
+    boot: str
+    time: float                             # when it was first read there in that boot
 
 
 @dataclass(frozen=True)
@@ -89,6 +107,7 @@ class History:
         self.path, self.retention_s = path, retention_s
         self.boots: list[BootRecord] = []
         self.gpus: dict[str, GpuRecord] = {}
+        self.seen: dict[str, SeenGpu] = {}  # bus id -> the board last read there
         self._dirty = False
 
     # -- learning -------------------------------------------------------------------------------------
@@ -107,6 +126,21 @@ class History:
         if key not in record.problems and len(record.problems) < MAX_PROBLEMS:
             record.problems[key] = now
             self._dirty = True
+
+    def note_seen(self, pci_bus_id: str, serial: str | None, uuid: str | None, boot: str, now: float) -> None:
+        """A GPU NVML read at `pci_bus_id`; written only when the board there or the boot is new to the file."""
+        before = self.seen.get(pci_bus_id)
+        if before is not None and before.uuid == uuid and serial is None:
+            serial = before.serial                   # read once: a later read that failed does not forget it
+        if before is not None and (before.serial, before.uuid, before.boot) == (serial, uuid, boot):
+            return
+        self.seen[pci_bus_id] = SeenGpu(pci_bus_id, serial, uuid, boot, now)
+        self._dirty = True
+
+    def seen_in_boot(self, pci_bus_id: str | None, boot: str) -> SeenGpu | None:
+        """The board read at `pci_bus_id` in `boot`: the same board a GPU lost later in that boot is."""
+        seen = self.seen.get(pci_bus_id or "")
+        return seen if seen is not None and seen.boot == boot else None
 
     def note_incident(self, gpu: GpuRecord, incident: Incident) -> None:
         """Once per GPU, boot and reason: a condition held for hours is one incident, not one per sweep."""
@@ -134,6 +168,11 @@ class History:
             if not record.incidents:
                 del self.gpus[key]
                 self._dirty = True
+        seen = {k: v for k, v in self.seen.items() if v.time >= since}
+        if len(seen) > MAX_SEEN:
+            seen = dict(sorted(seen.items(), key=lambda kv: kv[1].time)[-MAX_SEEN:])
+        if len(seen) != len(self.seen):
+            self.seen, self._dirty = seen, True
         if len(self.gpus) > MAX_GPUS:
             newest = sorted(self.gpus.values(), key=lambda r: r.incidents[-1].time)[-MAX_GPUS:]
             self.gpus, self._dirty = {r.key: r for r in newest}, True
@@ -167,7 +206,8 @@ class History:
         if self.path is None:
             return None
         try:
-            self.boots, self.gpus = _parse(json.loads(read_text_bounded(self.path, HISTORY_LIMIT, "GPU history")))
+            self.boots, self.gpus, self.seen = _parse(json.loads(read_text_bounded(self.path, HISTORY_LIMIT,
+                                                                                   "GPU history")))
         except FileNotFoundError:
             return None
         except UnsafeFile as e:
@@ -188,7 +228,8 @@ class History:
     def to_dict(self) -> dict[str, Any]:
         return {"version": VERSION,
                 "boots": [asdict(b) for b in self.boots],
-                "gpus": [asdict(g) for g in self.gpus.values()]}
+                "gpus": [asdict(g) for g in self.gpus.values()],
+                "seen": [asdict(s) for s in self.seen.values()]}
 
 
 def read_history(state_dir: Path) -> tuple[History, str | None]:
@@ -197,7 +238,8 @@ def read_history(state_dir: Path) -> tuple[History, str | None]:
     history = History(None)
     path = state_dir / HISTORY_FILE
     try:
-        history.boots, history.gpus = _parse(json.loads(read_text_bounded(path, HISTORY_LIMIT, "the GPU history")))
+        history.boots, history.gpus, history.seen = _parse(json.loads(read_text_bounded(path, HISTORY_LIMIT,
+                                                                                        "the GPU history")))
     except FileNotFoundError:
         pass
     except UnsafeFile as e:
@@ -207,7 +249,7 @@ def read_history(state_dir: Path) -> tuple[History, str | None]:
     return history, None
 
 
-def _parse(data: Any) -> tuple[list[BootRecord], dict[str, GpuRecord]]:
+def _parse(data: Any) -> tuple[list[BootRecord], dict[str, GpuRecord], dict[str, SeenGpu]]:
     """The history as saved; ValueError naming the first field of the wrong shape."""
     if not isinstance(data, dict) or data.get("version") != VERSION:
         found = data.get("version") if isinstance(data, dict) else None
@@ -227,5 +269,10 @@ def _parse(data: Any) -> tuple[list[BootRecord], dict[str, GpuRecord]]:
                                      saved.text(i, "action"), saved.text(i, "message", ""))
                             for i in saved.listed(g, "incidents")])
         gpus[record.key] = record
-    return boots, gpus
+    seen = {}
+    for g in saved.listed(data, "seen", []):          # absent in files written before it was kept
+        board = SeenGpu(saved.text(g, "pci_bus_id"), saved.text(g, "serial", None), saved.text(g, "uuid", None),
+                        saved.text(g, "boot"), saved.number(g, "time"))
+        seen[board.pci_bus_id] = board
+    return boots, gpus, seen
 

@@ -31,7 +31,8 @@ from detector.checks.xid.incidents import (APPLICATION_XIDS, NVLINK_UNITS, Incid
 from detector.checks.xid.logfiles import LogNotFound, SavedLog, looks_like_kernel_log, read_head, saved_logs
 from detector.checks.xid.metrics import XidMetrics
 from detector.checks.xid.nvml_events import NvmlXidListener
-from detector.checks.xid.parser import KERNEL, USER_SPACE, KernelEvent, SplitStart, UuidMapping, parse_line
+from detector.checks.xid.parser import (KERNEL, USER_SPACE, BoardSerial, KernelEvent, SplitStart, UuidMapping,
+                                        parse_line)
 from detector.checks.xid.scan import scan_stream
 from detector.checks.xid.timeline import SavedLogTimeline
 from detector.core.check import Check, CheckOutput, ConfigField
@@ -110,6 +111,7 @@ TABLE_EVENTS = 20          # kernel events listed in diagnose's table; JSON list
 # Lines older than RECENT_LINE_S (by their own time) are not waited for: their process line would be there.
 PROCESS_LINE_WAIT_S = 0.25
 RECENT_LINE_S = 5.0
+MAX_SERIALS = 256           # bus ids whose board serial the kernel log named (a node has at most 64 GPUs)
 
 
 class XidCheck(Check):
@@ -148,6 +150,8 @@ class XidCheck(Check):
         self._xid_times: dict[str, deque[float]] = {}   # GPU -> times of its new non-application XID incidents
         self._applications = ApplicationFaults(self.config["application_window_s"])
         self._uuids: dict[str, str] = {}          # bus id -> UUID, from `NVRM: GPU at ...` lines
+        self._serials: dict[str, str] = {}        # bus id -> board serial, from the lines after those
+        self._named_last = ""                     # the bus id the last `NVRM: GPU at ...` line named
         self._live_boots = SavedLogTimeline()     # boots of a live reader that knows no boot id
         self._file_done = False
         self._boot: str | None = None             # the boot the cross-source dedupe belongs to
@@ -156,6 +160,7 @@ class XidCheck(Check):
         if ctx.host.current_boot() != self._boot:     # a fake node rebooted under a running agent: an XID of
             self._boot = ctx.host.current_boot()      # the new boot is never a duplicate of the old one's
             self._incidents.forget_sources()
+            self._serials.clear()                   # the boards of a boot that is over
         gpus = {g.pci_bus_id: g.ref() for g in ctx.inventory.gpus if g.pci_bus_id}
         self._uuids.update({g.pci_bus_id: g.uuid for g in ctx.inventory.gpus if g.pci_bus_id and g.uuid})
         self._incidents.start_run()
@@ -196,6 +201,8 @@ class XidCheck(Check):
             "driver_lines": run.driver_lines, "aer_lines_not_on_a_gpu": run.aer.dropped,
             "groups_overflow": self._incidents.overflow, "ignored_events": run.ignored, **run.saved,
         }
+        if self._serials:
+            result["board_serials"] = dict(self._serials)
         if self._listener and self._listener.error:
             result["nvml_events_error"] = self._listener.error
         return CheckOutput(observations, result, summary, error)
@@ -253,14 +260,26 @@ class XidCheck(Check):
                 continue
             if not _proven_kernel(line, parsed):
                 continue
-            if isinstance(parsed, UuidMapping):
-                self._uuids[parsed.pci_bus_id] = parsed.uuid
+            if isinstance(parsed, (UuidMapping, BoardSerial)):
+                self._learn_identity(parsed)
                 continue
             if isinstance(parsed, SplitStart):
                 continue                         # kmsg and journald deliver split messages whole
             boot = line.boot_id or self._live_boots.see(parsed)
             if isinstance(parsed, KernelEvent):
                 run.take(parsed, line.lineno, boot, line.realtime or parsed.time, seq=line.seq)
+
+    def _learn_identity(self, parsed: UuidMapping | BoardSerial) -> None:
+        """Which UUID and board serial the driver printed for a bus id. `GPU Board Serial Number` names no
+        GPU: it is the one the `GPU at ...` line printed just before it named."""
+        if isinstance(parsed, UuidMapping):
+            self._uuids[parsed.pci_bus_id] = parsed.uuid
+            self._named_last = parsed.pci_bus_id
+            return
+        bus = parsed.pci_bus_id or self._named_last
+        self._named_last = ""
+        if bus and parsed.serial and len(self._serials) < MAX_SERIALS:
+            self._serials[bus] = parsed.serial
 
     # -- a saved log (post-mortem) ---------------------------------------------------------------
 
@@ -290,8 +309,8 @@ class XidCheck(Check):
         def on_line(lineno: int, parsed: Any, text: str) -> None:
             nonlocal parsed_lines, split, split_line
             parsed_lines += 1
-            if isinstance(parsed, UuidMapping):
-                self._uuids[parsed.pci_bus_id] = parsed.uuid
+            if isinstance(parsed, (UuidMapping, BoardSerial)):
+                self._learn_identity(parsed)
                 return
             if isinstance(parsed, SplitStart):
                 split, split_line = parsed, lineno

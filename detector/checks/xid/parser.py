@@ -17,6 +17,11 @@ GPU-CI:%02u]): %d, pid=%s, name=%s, %s`):
           fallen off the bus and is not responding to commands.                 (older drivers: XID 79)
     nvidia-nvswitch3: SXid (PCI:0000:05:00.0): 12028, Non-fatal, Link 32 egress non-posted PRIV error
     NVRM: GPU at PCI:0000:06:00: GPU-604d7f6a-...                                 (bus id -> UUID)
+    NVRM: GPU Board Serial Number: 1653723052734                                  (that GPU's serial)
+    NVRM: GPU 0000:91:00.0: GPU serial number is 1653723052734.                   (after an XID 79)
+
+The driver prints a GPU's UUID and board serial before the first Xid of that GPU in a boot: for a GPU
+that fell off the bus, the only place its serial is still written (NVML has no handle for a lost GPU).
 """
 
 from __future__ import annotations
@@ -45,6 +50,11 @@ _FELL_OFF_TAIL = re.compile(r"^NVRM: fallen off the bus and is not responding to
 _SXID = re.compile(r"^nvidia-nvswitch(?P<switch>\d+): SXid \((?P<where>[^)]*)\):\s*(?P<code>\d{1,6}),?\s?"
                    r"(?P<rest>.*)$")
 _UUID = re.compile(r"^NVRM: GPU at " + _BUS + r": (?P<uuid>GPU-[0-9a-fA-F-]{36})\s*$")
+_BOARD_SERIAL = re.compile(r"^NVRM: GPU Board Serial Number:[ \t]*(?P<serial>\S*)\s*$")
+_SERIAL_IS = re.compile(r"^NVRM: GPU " + _BUS + r": GPU serial number is (?P<serial>[^\s.]*)\.?\s*$")
+# A serial is the InfoROM's board serial (13 digits on data-center boards); boards without one print
+# nothing, `0` (GeForce, open-gpu-kernel-modules#1045) or `[N/A]`.
+_SERIAL = re.compile(r"^[0-9A-Za-z][0-9A-Za-z-]{3,39}$")
 _FATAL = re.compile(r"\b(Fatal|Non-?fatal|Nonfatal)\b", re.IGNORECASE)
 _RECOVERY = re.compile(r"GPU recovery action changed from 0x[0-9a-fA-F]+ \([^)]*\) to 0x[0-9a-fA-F]+ \((?P<to>[^)]*)\)")
 _SXID_DETAIL = re.compile(r"^(?:Severity \d+ Engine instance|Data \{)")
@@ -101,6 +111,20 @@ class UuidMapping:
 
 
 @dataclass(frozen=True, slots=True)
+class BoardSerial:
+    """A GPU's board serial as the driver printed it: `NVRM: GPU Board Serial Number: 1653723052734` (bus
+    id "": the GPU is the one the `NVRM: GPU at ...` line just before it named) or `NVRM: GPU
+    0000:91:00.0: GPU serial number is 1653723052734.`. `serial` is "" for a board without one."""
+
+    pci_bus_id: str
+    serial: str
+
+
+def _serial(text: str) -> str:
+    return text if _SERIAL.match(text) and text.strip("0") else ""
+
+
+@dataclass(frozen=True, slots=True)
 class SplitStart:
     """`NVRM: The NVIDIA GPU 0000:b3:00.0` alone on a line: the start of a message dmesg split over
     indented lines; the line that ends it (`NVRM: fallen off the bus ...`) is about this GPU."""
@@ -117,7 +141,7 @@ class BootBanner:
     time: float | None = None
 
 
-Parsed = KernelEvent | UuidMapping | BootBanner | SplitStart
+Parsed = KernelEvent | UuidMapping | BoardSerial | BootBanner | SplitStart
 
 # A line holds one of these or it is nobody's business here (checked before any regex: most lines).
 _INTERESTING = ("NVRM: ", "SXid (", "Linux version ", "Command line: ", "-- Boot ", "-- Reboot --")
@@ -155,12 +179,12 @@ def parse_line(line: str, year: int | None = None, kernel: bool = False) -> Pars
 
 
 @lru_cache(maxsize=1024)
-def _parse_message_cached(msg: str) -> KernelEvent | UuidMapping | SplitStart | None:
+def _parse_message_cached(msg: str) -> KernelEvent | UuidMapping | BoardSerial | SplitStart | None:
     """In a flood the same message repeats under new timestamps: parse it once (results are frozen)."""
     return parse_message(msg)
 
 
-def parse_message(msg: str) -> KernelEvent | UuidMapping | SplitStart | None:
+def parse_message(msg: str) -> KernelEvent | UuidMapping | BoardSerial | SplitStart | None:
     """The kernel's message itself (no wrapper), as /dev/kmsg and journald deliver it (a kmsg record
     holds a split message whole, its lines joined by newlines)."""
     if msg.startswith("NVRM: Xid"):
@@ -170,6 +194,10 @@ def parse_message(msg: str) -> KernelEvent | UuidMapping | SplitStart | None:
             return KernelEvent("xid", 79, normalize_bus_id(m["bus"]), "GPU has fallen off the bus.")
         if m := _UUID.match(msg):
             return UuidMapping(normalize_bus_id(m["bus"]), "GPU-" + m["uuid"][4:].lower())
+        if m := _BOARD_SERIAL.match(msg):
+            return BoardSerial("", _serial(m["serial"]))
+        if m := _SERIAL_IS.match(msg):
+            return BoardSerial(normalize_bus_id(m["bus"]), _serial(m["serial"]))
         if m := _SPLIT_START.match(msg):
             return SplitStart(normalize_bus_id(m["bus"]))
         if _FELL_OFF_TAIL.match(msg):

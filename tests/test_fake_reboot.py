@@ -124,7 +124,7 @@ def test_fake_device_opened_before_a_reboot_reads_the_new_boot():
             seqs.append(int(device.read_record().split(b",")[1]))
         except BlockingIOError:
             break
-    assert seqs == list(range(1 + 8 + 1))
+    assert seqs == list(range(1 + 8 + 2 + 1))   # load, 8 GPUs, the XID's GPU named with its serial, the XID
     assert device.boot_time >= old_boot_time
 
 

@@ -1,6 +1,7 @@
 """Scenarios: YAML descriptions of a fake node (its GPUs and a timeline of faults).
 
-Bundled scenarios live in fake_nvml/scenarios/ and are named by file stem; a path works too.
+Bundled scenarios live in fake_nvml/scenarios/ and are named by file stem; a path works too. Every
+mistake of a scenario file is reported at once, each with file, line and field.
 """
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from detector.backends.pciaddr import normalize_bus_id
-from detector.yamlsource import MappingReader, SourceError, load_yaml, parse_yaml
-from fake_nvml.faults import Fault
+from detector.yamlsource import (MappingReader, Mistakes, SourceError, SourceErrors, collecting, hint, load_yaml,
+                                 parse_yaml)
+from fake_nvml.faults import FAULT_KINDS, Fault
 from fake_nvml.imex import configure as fake_imex_setup
 from fake_nvml.infiniband import IbSpec, parse_ib_spec
 from fake_nvml.models import MODELS, model_by_key
@@ -101,56 +103,72 @@ def bundled_scenarios() -> list[str]:
 
 
 def load_scenario(name_or_path: str) -> Scenario:
-    """Load a bundled scenario by name, or a scenario file by path. Errors are SourceError."""
+    """Load a bundled scenario by name, or a scenario file by path. Errors are SourceError: every
+    mistake of the file together."""
     return _load(name_or_path, seen=())
 
 
 def _load(name_or_path: str, seen: tuple[str, ...]) -> Scenario:
     if name_or_path in seen:
         raise SourceError(name_or_path, None, "extends", f"circular: {' -> '.join(seen + (name_or_path,))}")
+    with collecting() as mistakes:
+        name, doc_file, data = _read(name_or_path, mistakes)
+        top = MappingReader(doc_file, data, "", mistakes=mistakes)
+        top.attempt(top.reject_unknown, _TOP_FIELDS)
+        # the file it extends is read first: its mistakes, if any, are raised with this file's so far
+        base = _load(top.get("extends", str), seen + (name_or_path,)) if top.has("extends") else None
+        return _parse(name, top, base)
+
+
+def _read(name_or_path: str, mistakes: Mistakes) -> tuple[str, str, Any]:
+    """(scenario name, file name for messages, parsed YAML) of a scenario path or bundled name."""
     path = Path(name_or_path)
     if path.suffix in (".yaml", ".yml") or "/" in name_or_path:
-        doc = load_yaml(path)
-        name = path.stem
-    else:
-        resource = resources.files("fake_nvml") / "scenarios" / f"{name_or_path}.yaml"
-        if not resource.is_file():
-            raise SourceError(name_or_path, None, None,
-                              f"no bundled scenario of that name (bundled: {', '.join(bundled_scenarios())})")
-        doc = parse_yaml(resource.read_text(encoding="utf-8"), f"fake_nvml/scenarios/{name_or_path}.yaml")
-        name = name_or_path
-    top = MappingReader(doc.file, doc.data, "")
-    top.reject_unknown(_TOP_FIELDS)
-    base = _load(top.get("extends", str), seen + (name_or_path,)) if top.has("extends") else None
-    return _parse(name, top, base)
+        doc = load_yaml(path, mistakes)
+        return path.stem, doc.file, doc.data
+    resource = resources.files("fake_nvml") / "scenarios" / f"{name_or_path}.yaml"
+    if not resource.is_file():
+        raise SourceError(name_or_path, None, None, "no bundled scenario of that name "
+                          f"({hint(name_or_path, bundled_scenarios(), 'bundled: {}')})")
+    doc = parse_yaml(resource.read_text(encoding="utf-8"), f"fake_nvml/scenarios/{name_or_path}.yaml", mistakes)
+    return name_or_path, doc.file, doc.data
 
 
 def _parse(name: str, top: MappingReader, base: Scenario | None) -> Scenario:
-    def inherit(key: str, kind: type, default: Any) -> Any:
-        return top.get(key, kind, getattr(base, key) if base else default)
+    """The scenario; each field is checked on its own, its mistakes recorded in top.mistakes (the caller
+    raises them, and then what this returns is not used)."""
+    def inherit(key: str, kind: type | tuple[type, ...], default: Any) -> Any:
+        return top.attempt(top.get, key, kind, getattr(base, key) if base else default)
 
-    gpu_model = inherit("gpu_model", str, None)
-    if gpu_model is None:
-        raise top.error(None, "missing required field 'gpu_model'")
-    if gpu_model not in MODELS:
-        raise top.error("gpu_model", f"unknown model {gpu_model!r} (known: {', '.join(sorted(MODELS))})")
-    bus_ids = _bus_ids(top, base)
+    gpu_model = top.attempt(_gpu_model, top, base)
+    bus_ids = top.attempt(_bus_ids, top, base)
     faults = list(base.faults) if base else []
-    for path, line, item in top.items("faults", []):
-        faults.append(_fault(MappingReader(top.file, item, path, line), len(bus_ids)))
+    for _, r in top.attempt(top.each, "faults", [], default=[]):
+        fault = top.attempt(_fault, r, len(bus_ids) if bus_ids is not None else None)
+        if fault is not None:
+            faults.append(fault)
+    nvswitches = top.attempt(_bus_id_list, top, "nvswitches") if top.has("nvswitches") else None
     return Scenario(
         name=name,
-        description=top.get("description", str, base.description if base else ""),
+        description=inherit("description", str, ""),
         driver_version=str(inherit("driver_version", (str, int, float), "550.90.07")),
         cuda_version=str(inherit("cuda_version", (str, int, float), "12.4")),
-        gpu_model=gpu_model, pci_bus_ids=bus_ids,
-        nvswitches=[_bus_id(top, "nvswitches", b) for b in top.get("nvswitches", list, [])]
-        if top.has("nvswitches") else (list(base.nvswitches) if base else []),
+        gpu_model=gpu_model, pci_bus_ids=bus_ids or [],
+        nvswitches=nvswitches if nvswitches is not None else (list(base.nvswitches) if base else []),
         faults=faults,
-        infiniband=parse_ib_spec(top, base.infiniband if base else None),
-        nvlink_domain=_nvlink_domain(top, base),
-        imex=_imex(top, base),
+        infiniband=top.attempt(parse_ib_spec, top, base.infiniband if base else None, default=IbSpec()),
+        nvlink_domain=top.attempt(_nvlink_domain, top, base),
+        imex=top.attempt(_imex, top, base),
     )
+
+
+def _gpu_model(top: MappingReader, base: Scenario | None) -> str:
+    gpu_model = top.get("gpu_model", str, base.gpu_model if base else None)
+    if gpu_model is None:
+        raise top.error("gpu_model", "missing required field 'gpu_model'")
+    if gpu_model not in MODELS:
+        raise top.error("gpu_model", f"unknown model {gpu_model!r} ({hint(gpu_model, MODELS, 'known: {}')})")
+    return gpu_model
 
 
 def _imex(top: MappingReader, base: Scenario | None) -> ImexSpec | None:
@@ -158,14 +176,19 @@ def _imex(top: MappingReader, base: Scenario | None) -> ImexSpec | None:
     if not top.has("imex"):
         return base.imex if base else None
     r = top.child("imex")
-    r.reject_unknown({"configured", "peers", "managed_by"})
-    peers = r.get("peers", int, 17)
-    if not 0 <= peers <= 1023:
-        raise r.error("peers", f"expected 0 to 1023 peers, got {peers}")
-    managed_by = r.get("managed_by", str, "host")
-    if managed_by not in ("host", "compute_domain"):
-        raise r.error("managed_by", f"expected host or compute_domain, got {managed_by!r}")
-    return ImexSpec(r.get("configured", bool, True), peers, managed_by)
+    before = r.recorded()
+    r.attempt(r.reject_unknown, {"configured", "peers", "managed_by"})
+    peers = r.attempt(_in_range, r, "peers", 17, 0, 1023, "peers")
+    managed_by = r.attempt(r.choice, "managed_by", ("host", "compute_domain"), "host")
+    configured = r.attempt(r.get, "configured", bool, True)
+    return ImexSpec(configured, peers, managed_by) if r.recorded() == before else None
+
+
+def _in_range(r: MappingReader, key: str, default: int, low: int, high: int, unit: str = "") -> int:
+    value = r.get(key, int, default)
+    if not low <= value <= high:
+        raise r.error(key, f"expected {low} to {high}{' ' + unit if unit else ''}, got {value}")
+    return value
 
 
 def _nvlink_domain(top: MappingReader, base: Scenario | None) -> NvlinkDomain | None:
@@ -176,20 +199,23 @@ def _nvlink_domain(top: MappingReader, base: Scenario | None) -> NvlinkDomain | 
     if isinstance(value, str):
         return NvlinkDomain.named(value)
     r = top.child("nvlink_domain")
-    r.reject_unknown({"clique_id", "cluster_uuid"})
-    clique = r.get("clique_id", int, 1)
-    if not 0 <= clique < 2**32:
-        raise r.error("clique_id", f"expected 0 to 4294967295, got {clique}")
+    before = r.recorded()
+    r.attempt(r.reject_unknown, {"clique_id", "cluster_uuid"})
+    clique = r.attempt(_in_range, r, "clique_id", 1, 0, 2**32 - 1)
+    cluster = r.attempt(_uuid, r, "cluster_uuid")
+    return NvlinkDomain(clique, cluster) if r.recorded() == before else None
+
+
+def _uuid(r: MappingReader, key: str) -> str:
     try:
-        cluster = str(uuid.UUID(r.get("cluster_uuid", str)))
+        return str(uuid.UUID(r.get(key, str)))
     except ValueError:
-        raise r.error("cluster_uuid", "expected a UUID (xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx)") from None
-    return NvlinkDomain(clique, cluster)
+        raise r.error(key, "expected a UUID (xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx)") from None
 
 
 def _bus_ids(top: MappingReader, base: Scenario | None) -> list[str]:
     if top.has("pci_bus_ids"):
-        ids = [_bus_id(top, "pci_bus_ids", b) for b in top.get("pci_bus_ids", list)]
+        ids = _bus_id_list(top, "pci_bus_ids")
         if top.has("gpus") and top.get("gpus", int) != len(ids):
             raise top.error("gpus", f"says {top.get('gpus', int)} GPUs but pci_bus_ids lists {len(ids)}")
     elif top.has("gpus"):
@@ -206,23 +232,43 @@ def _bus_ids(top: MappingReader, base: Scenario | None) -> list[str]:
     return sorted(ids)
 
 
-def _bus_id(top: MappingReader, key: str, value: Any) -> str:
-    try:
-        return normalize_bus_id(str(value))
-    except ValueError as e:
-        raise top.error(key, str(e)) from None
+def _bus_id_list(top: MappingReader, key: str) -> list[str]:
+    """A list of PCI bus ids, normalized; every malformed one is a mistake of its own."""
+    ids: list[str] = []
+    errors: list[SourceError] = []
+    for value in top.get(key, list):
+        try:
+            ids.append(normalize_bus_id(str(value)))
+        except ValueError as e:
+            errors.append(top.error(key, str(e)))
+    if errors:
+        raise SourceErrors.of(errors)
+    return ids
 
 
-def _fault(r: MappingReader, gpu_count: int) -> TimedFault:
-    at = float(r.get("at", float, 0.0))
-    if at < 0:
-        raise r.error("at", "must be >= 0 seconds")
-    kind = r.get("kind", str)
-    gpu = r.get("gpu", int, None)
-    if gpu is not None and not 0 <= gpu < gpu_count:
-        raise r.error("gpu", f"no GPU {gpu}: the node has GPUs 0 to {gpu_count - 1}")
+def _fault(r: MappingReader, gpu_count: int | None) -> TimedFault | None:
+    """A timed fault, or None when it has mistakes (each recorded). `gpu_count` None: the node's GPUs
+    are not known (a mistake of their own), so the GPU index goes unchecked."""
+    before = r.recorded()
+    at = r.attempt(_at, r)
+    kind = r.attempt(r.get, "kind", str)
+    gpu = r.attempt(r.get, "gpu", int, None)
+    if gpu is not None and gpu_count is not None and not 0 <= gpu < gpu_count:
+        r.report("gpu", f"no GPU {gpu}: the node has GPUs 0 to {gpu_count - 1}")
+    if r.recorded() > before or kind is None:
+        return None
     params = {k: v for k, v in r.data.items() if k not in ("at", "kind", "gpu")}
     try:
         return TimedFault(at, Fault(kind, gpu, params))
     except ValueError as e:
-        raise r.error("kind", str(e)) from None
+        problem = str(e)
+        if kind not in FAULT_KINDS:
+            problem = f"unknown fault kind {kind!r} ({hint(kind, FAULT_KINDS, 'known: {}')})"
+        raise r.error("kind", problem) from None
+
+
+def _at(r: MappingReader) -> float:
+    at = float(r.get("at", float, 0.0))
+    if at < 0:
+        raise r.error("at", "must be >= 0 seconds")
+    return at

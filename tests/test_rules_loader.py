@@ -228,8 +228,8 @@ def test_unknown_rule_field_typo(tmp_path) -> None:
 def test_missing_required_field(tmp_path) -> None:
     path, text = rule_file(tmp_path, rule_text(drop=("when",)))
     err = load_error(path)
-    # there is no line for what is absent: the rule's own line and path are named
-    assert_located(err, path, line_no(text, "name: second-rule"), "rules[1]")
+    # there is no line for what is absent: the rule's own line is named, and the field that is missing
+    assert_located(err, path, line_no(text, "name: second-rule"), "rules[1].when")
     assert err.problem == "missing required field 'when'"
 
 
@@ -256,7 +256,10 @@ def test_unknown_check_name(tmp_path, known_fields) -> None:
     path, text = rule_file(tmp_path, rule_text(check="[pcie, pcei]"))
     err = load_error(path, known_fields)
     assert_located(err, path, line_no(text, "check: [pcie, pcei]"), "rules[1].check")
-    assert "no check named 'pcei'" in err.problem and "pcie" in err.problem and "visibility" in err.problem
+    assert err.problem == "no check named 'pcei' (did you mean `pcie`?)"      # a near miss is named
+    far, _ = rule_file(tmp_path, rule_text(check="fans"), "far.yaml")
+    err = load_error(far, known_fields)
+    assert "no check named 'fans' (available: " in err.problem and "visibility" in err.problem  # else all
     # without known fields, check names cannot be checked
     assert load_rules([path]).rules[1].checks == frozenset({"pcie", "pcei"})
 

@@ -17,6 +17,15 @@ def template_names(template: str) -> set[str]:
     return set(_PLACEHOLDER.findall(template))
 
 
+def template_columns(template: str) -> dict[str, int]:
+    """Each placeholder's name and the 1-based column of its first `{`, in order of first use: where a
+    mistake in it is pointed at (the plain word `width` before `{width}` is not the placeholder)."""
+    columns: dict[str, int] = {}
+    for m in _PLACEHOLDER.finditer(template):
+        columns.setdefault(m.group(1), m.start() + 1)
+    return columns
+
+
 def render(template: str, fields: Mapping[str, Any]) -> str:
     """Substitute `{field}`; plain names only, so a template can never reach into objects."""
     return _PLACEHOLDER.sub(lambda m: _show(fields.get(m.group(1))), template)

@@ -29,8 +29,9 @@ from kube_emulator.emulator import (
 EXIT_OK, EXIT_USAGE = 0, 2
 
 
-def build_parser(prog: str = "python -m kube_emulator") -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+def build_parser(prog: str = "python -m kube_emulator",
+                 parser_class: type[argparse.ArgumentParser] = argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser = parser_class(
         prog=prog, formatter_class=argparse.RawDescriptionHelpFormatter,
         description="A small Kubernetes API server (core/v1 nodes, events and pods, coordination.k8s.io/v1 "
                     "leases; get, list, watch, create, update, patch, delete, server-side dry run) that enforces "
@@ -102,9 +103,11 @@ def rbac_paths(rbac: Sequence[Path] | None, deploy_dir: Path | None) -> list[Pat
     return [base]
 
 
-def main(argv: Sequence[str] | None = None, prog: str = "python -m kube_emulator") -> int:
-    """`prog`: how the user called it (`gpu-npd emulator` hands its own name in)."""
-    args = build_parser(prog).parse_args(argv)
+def main(argv: Sequence[str] | None = None, prog: str = "python -m kube_emulator",
+         parser_class: type[argparse.ArgumentParser] = argparse.ArgumentParser) -> int:
+    """`prog`: how the user called it (`gpu-npd emulator` hands its own name in, and its parser class, which
+    lets a help it cannot write fail)."""
+    args = build_parser(prog, parser_class).parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     try:
         host, port = parse_listen(args.listen)

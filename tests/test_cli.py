@@ -151,9 +151,11 @@ def test_unknown_check_exit_2_lists_available():
 
 
 def test_unknown_scenario_exit_2_lists_bundled():
-    proc = gpu_npd("diagnose", "--nvml", "fake:h100-sxm-99")
+    proc = gpu_npd("diagnose", "--nvml", "fake:tpu-v5")
     assert proc.returncode == 2
     assert "no bundled scenario" in proc.stderr and "h100-sxm-8-xid79" in proc.stderr
+    near = gpu_npd("diagnose", "--nvml", "fake:h100-sxm-99")          # a near miss is named instead
+    assert near.returncode == 2 and "no bundled scenario of that name (did you mean `h100-sxm-8`?)" in near.stderr
 
 
 @pytest.mark.parametrize("spec", ["fake", "fake:", "nvml", "real:x"])

@@ -27,7 +27,7 @@ from detector.kube.stamps import parse_rfc3339, rfc3339
 from fake_nvml.faults import Fault
 from kube_emulator import Emulator
 from kube_emulator.kinds import NODES
-from test_daemon_e2e import fast_settings, running, settled  # noqa: F401 - fixtures
+from test_daemon_e2e import FAST_CHECKS, fast_settings, running, settled  # noqa: F401 - fixtures
 from test_deploy_render import require_kubectl
 
 REPO = Path(__file__).resolve().parent.parent
@@ -73,8 +73,11 @@ def own_condition(type_: str, status: str, heartbeat: float, reason: str = "") -
 # -- the real daemon's annotation and conditions ----------------------------------------------------------
 
 def test_a_healthy_node_then_gpu_3_off_the_bus_as_the_daemon_writes_it(emulator, running, viewer, capsys):
-    local = running(settings=fast_settings(heartbeat_s=0.5))
+    # A healthy node's gpu-npd conditions are the always-written ones (issue 34): the readiness check's
+    # GpuNodeUnverified carries the heartbeat that says the daemon reports.
+    local = running(settings=fast_settings(heartbeat_s=0.5), checks=[*FAST_CHECKS, "readiness"])
     settled(local)
+    assert local.wait_for(lambda: local.conditions().get("GpuNodeUnverified", {}).get("status") == "False")
     emulator.create_node("cpu-1")                                    # not a GPU node: never counted
     code, out = fleet(viewer, capsys=capsys)
     assert code == 0 and out.strip().splitlines() == [
@@ -83,7 +86,7 @@ def test_a_healthy_node_then_gpu_3_off_the_bus_as_the_daemon_writes_it(emulator,
     gpu3 = local.node.snapshot().gpus[3]
     local.node.inject(Fault("xid", gpu=3, params={"code": 79}))
     assert local.wait_for(lambda: UNHEALTHY_GPUS in (emulator.node("gpu-1")["metadata"].get("annotations") or {}))
-    assert local.wait_for(lambda: local.conditions()["GpuXidError"]["status"] == "True")
+    assert local.wait_for(lambda: local.conditions().get("GpuXidError", {}).get("status") == "True")   # absent before
     code, out = fleet(viewer, capsys=capsys)
     assert code == 1, out
     [gpu_row, *condition_rows] = rows(out)
@@ -95,8 +98,8 @@ def test_a_healthy_node_then_gpu_3_off_the_bus_as_the_daemon_writes_it(emulator,
     code, out = fleet(viewer, "-o", "json", capsys=capsys)
     doc = json.loads(out)
     assert code == 1 and doc["nothingWrong"] is False
-    assert doc["summary"] == {"nodes": 1, "gpus": 8, "failed": 1, "degraded": 0, "notReporting": 0,
-                              "nodesWithProblems": 1, "listed": 2, "pages": 1}
+    assert doc["summary"] == {"nodes": 1, "gpus": 8, "nodesWithoutGpuCount": 0, "failed": 1, "degraded": 0,
+                              "notReporting": 0, "nodesWithProblems": 1, "listed": 2, "pages": 1}
     [node] = doc["nodes"]
     assert node["unhealthyGpus"] == [{"index": 3, "pciBusId": "0000:5d:00.0", "uuid": gpu3.uuid,
                                       "serial": gpu3.serial, "state": "failed", "action": "RESTART_BM",
@@ -144,8 +147,8 @@ def test_stale_or_missing_heartbeats_are_not_reporting_and_readiness_is_shown(em
     never = table["gpu-never", "not-reporting"]
     assert never[6:] == ["NeverReported", "-", "Ready,SchedulingDisabled",
                          "readiness.k8s.io/gpu-npd-verified:NoSchedule,example.com/team=a:NoExecute"]
-    assert out.strip().splitlines()[-1] == ("3 nodes to look at: 3 GPU nodes, 16 GPUs, 0 failed, 1 degraded, "
-                                            "2 not reporting")
+    assert out.strip().splitlines()[-1] == ("3 nodes to look at: 3 GPU nodes, 16+ GPUs (1 node without a GPU "
+                                            "count), 0 failed, 1 degraded, 2 not reporting")   # gpu-never's unsaid
 
     doc = json.loads(fleet(viewer, "-o", "json", "--stale-after", "1500", capsys=capsys)[1])
     by_name = {n["name"]: n for n in doc["nodes"]}
@@ -278,7 +281,7 @@ def test_kubectl_runs_the_plugin_with_or_without_fleet(emulator, viewer, tmp_pat
     assert str(plugin) in listed.stdout, listed.stdout + listed.stderr
     alone = run("gpu-npd")
     assert alone.returncode == 1 and alone.stdout.strip().splitlines()[-1] == (
-        "1 node to look at: 1 GPU node, 0 GPUs, 0 failed, 0 degraded, 1 not reporting"), alone.stderr
+        "1 node to look at: 1 GPU node, GPU count unknown, 0 failed, 0 degraded, 1 not reporting"), alone.stderr
     as_json = run("gpu-npd", "fleet", "-o", "json", "--stale-after", "60")
     assert as_json.returncode == 1 and json.loads(as_json.stdout)["nodes"][0]["name"] == "gpu-1", as_json.stderr
     usage = run("gpu-npd", "fleet", "--help")

@@ -184,6 +184,7 @@ def test_an_annotation_claiming_200001_failed_gpus_is_not_counted(serve, capsys)
     assert code == 1 and err == ""
     assert doc["summary"]["failed"] == 1                                           # gpu-bad's GPU 3 alone
     assert doc["summary"]["gpus"] == 4 * 8                                         # gpu-liar's count not taken
+    assert doc["summary"]["nodesWithoutGpuCount"] == 1                             # but said to be unknown
     why = {n["name"]: n["annotationError"] for n in doc["nodes"]}
     assert "lists 500 GPUs, more than the 64 a node can have" in why["gpu-500"]
     assert "the same GPU twice" in why["gpu-twice"] and "over the 16,384" in why["gpu-many"]
@@ -348,7 +349,7 @@ def test_a_node_whose_texts_hold_junk_never_raises(serve, capsys):
     item["spec"]["taints"] = [{}, {"key": "a", "value": None, "effect": "\t"}]
     _, kubeconfig = serve(one_page(item))
     code, out, err = fleet(kubeconfig, capsys=capsys)
-    assert code == 1 and err == "" and out.splitlines()[-1].startswith("1 node to look at: 1 GPU node, 0 GPUs")
+    assert code == 1 and err == "" and out.splitlines()[-1].startswith("1 node to look at: 1 GPU node, GPU count unknown")
     code, out, err = fleet(kubeconfig, "-o", "json", capsys=capsys)
     seen = json.loads(out)["nodes"][0]
     assert code == 1 and err == "" and seen["gpus"] is None and "nested too deeply" in seen["annotationError"]

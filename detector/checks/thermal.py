@@ -243,11 +243,17 @@ def _minus(a: int | None, b: int | None) -> int | None:
     return None if a is None or b is None else a - b
 
 
+def _celsius(value: Any) -> str:
+    """A temperature as people read it; one NVML (or a capture) does not give is unknown, never `None`."""
+    return "unknown" if value is None else f"{value} C"
+
+
 def _summary(gpus: list[dict[str, Any]]) -> str:
     if not gpus:
         return ""
     hottest = max(gpus, key=lambda g: g["temperature_c"] or 0)
-    parts = [f"hottest GPU {hottest['index']} at {hottest['temperature_c']} C (slowdown {hottest['slowdown_c']} C)"]
+    parts = [f"hottest GPU {hottest['index']} at {_celsius(hottest['temperature_c'])} "
+             f"(slowdown {_celsius(hottest['slowdown_c'])})"]
     slowed = [str(g["index"]) for g in gpus if g["hw_slowdown_pct"] or g["thermal_pct"]]
     parts.append(f"slowed by heat or HW on GPU(s) {','.join(slowed)}" if slowed else "no thermal or HW slowdown")
     if not all(g["window_ready"] for g in gpus):

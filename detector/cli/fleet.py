@@ -218,12 +218,23 @@ def render_flaky(gpus: list[FlakyGpu], nodes: int) -> str:
 
 
 def summary_line(view: FleetView) -> str:
-    counts = (f"{view.gpu_nodes} GPU node{'s' if view.gpu_nodes != 1 else ''}, {view.gpus} GPUs, {view.failed} "
+    counts = (f"{view.gpu_nodes} GPU node{'s' if view.gpu_nodes != 1 else ''}, {gpu_count(view)}, {view.failed} "
               f"failed, {view.degraded} degraded, {view.not_reporting} not reporting"
               + (f", {view.malformed} malformed (skipped)" if view.malformed else ""))
     if view.nothing_wrong:
         return f"nothing is wrong: {counts}"
     return f"{view.with_problems} node{'s' if view.with_problems != 1 else ''} to look at: {counts}"
+
+
+def gpu_count(view: FleetView) -> str:
+    """The GPUs the nodes say they have (capacity nvidia.com/gpu, else the nvidia.com/gpu.count label). A node
+    that says nothing (no device plugin, as the README's emulator node) is not counted as 0 GPUs, which its
+    failed GPUs' rows would contradict: the count says it is a lower bound, or unknown."""
+    if not view.uncounted:
+        return f"{view.gpus} GPU{'s' if view.gpus != 1 else ''}"
+    if view.uncounted == view.gpu_nodes:
+        return "GPU count unknown"
+    return (f"{view.gpus}+ GPUs ({view.uncounted} node{'s' if view.uncounted != 1 else ''} without a GPU count)")
 
 
 def _clip(text: str, limit: int) -> str:
@@ -236,11 +247,12 @@ def kubectl_plugin(argv: Sequence[str] | None = None) -> int:
     """`kubectl gpu-npd [fleet] [options]`: kubectl runs the kubectl-gpu_npd executable with the words
     after `gpu-npd`; the fleet view is its one command, so `fleet` may be left out."""
     from detector.cli.main import run_command
+    from detector.cli.signals import Parser, ended_well
 
     args = list(sys.argv[1:] if argv is None else argv)
     if args[:1] == ["fleet"]:
         args = args[1:]
-    parser = argparse.ArgumentParser(prog=f"{PLUGIN} [fleet]", description=DESCRIPTION, epilog=EPILOG,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = Parser(prog=f"{PLUGIN} [fleet]", description=DESCRIPTION, epilog=EPILOG,
+                    formatter_class=argparse.RawDescriptionHelpFormatter)
     add_fleet_arguments(parser)
-    return run_command(parser.parse_args(args))
+    return ended_well(lambda: run_command(parser.parse_args(args)))

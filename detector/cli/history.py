@@ -55,20 +55,27 @@ def add_history_parser(sub: argparse._SubParsersAction, default_state_dir: Path)
                         "else the node its newest bundle names)")
     h.add_argument("--gpu", metavar="ID", help="only this GPU: its serial, UUID or PCI bus id")
     h.add_argument("-o", "--output", choices=("table", "json"), default="table")
-    h.add_argument("--state-dir", type=Path, default=default_state_dir,
-                   help=f"the daemon's --state-dir (default: {default_state_dir})")
-    h.set_defaults(func=cmd_history)
+    h.add_argument("--state-dir", type=Path, metavar="DIR",
+                   help=f"the daemon's --state-dir [GPU_NPD_STATE_DIR] (default: {default_state_dir}, where "
+                        "gpu-npd run keeps it)")
+    h.set_defaults(func=cmd_history, default_state_dir=default_state_dir)
 
 
 def cmd_history(args: argparse.Namespace) -> int:
-    if not args.state_dir.is_dir():
+    given = args.state_dir is not None
+    if not given:
+        args.state_dir = args.default_state_dir
+    if given and not args.state_dir.is_dir():         # a directory named on purpose: a typo is said
         print(f"gpu-npd: --state-dir {args.state_dir}: no such directory (is the daemon running here, with "
               "this --state-dir?)", file=sys.stderr)
         return 2
-    history, problem = read_history(args.state_dir)
+    history, problem = read_history(args.state_dir)      # a missing directory or file: an empty history
     if problem:
         print(f"gpu-npd: {problem}", file=sys.stderr)
         return 2
+    if not (args.state_dir / HISTORY_FILE).exists() and args.output == "table" and not (args.rma or args.gpu):
+        print(nothing_recorded(args.state_dir))            # the JSON and the RMA report say it in their form
+        return 0
     gpus = list(history.gpus.values())
     if args.gpu:
         gpus = [g for g in gpus if args.gpu in (g.serial, g.uuid, g.pci_bus_id, g.key)]
@@ -85,6 +92,13 @@ def cmd_history(args: argparse.Namespace) -> int:
         return 0
     print(_table(gpus, history.boots if not args.gpu else []))
     return 0
+
+
+def nothing_recorded(state_dir: Path) -> str:
+    """What a person reads when no daemon has kept a history here yet: where it would be, and who writes it."""
+    return (f"no history recorded in {state_dir} yet: gpu-npd run keeps it there (with --nvml real, or given "
+            "--state-dir); the DaemonSet's is /var/lib/gpu-npd on each node: kubectl exec -n gpu-npd POD -- "
+            "gpu-npd history")
 
 
 def _rma(args: argparse.Namespace, gpus: list[GpuRecord], seen: dict[str, SeenGpu]) -> int:
@@ -126,6 +140,7 @@ def flaky_rule(config: Path | None) -> tuple[int, float]:
 
 
 def _table(gpus: list[GpuRecord], boots: list) -> str:
+    from detector.cli.render import columns          # here: `gpu-npd run` builds this parser, never the table
     lines = []
     if not gpus:
         lines.append("no GPU incidents recorded")
@@ -134,14 +149,14 @@ def _table(gpus: list[GpuRecord], boots: list) -> str:
         lines.append(f"GPU {g.index if g.index is not None else '?'}  serial {g.serial or 'unknown'}  "
                      f"uuid {g.uuid or 'unknown'}  bus {g.pci_bus_id or 'unknown'}  "
                      f"{len(g.incidents)} incident(s) on {boots_hit} boot(s)")
-        lines.append(f"  {'WHEN (UTC)':<20} {'BOOT':<10} {'ACTION':<16} REASON")
-        for i in sorted(g.incidents, key=lambda i: i.time):
-            lines.append(f"  {_when(i.time):<20} {i.boot[:8]:<10} {i.action:<16} {i.reason}")
+        rows = [("WHEN (UTC)", "BOOT", "ACTION", "REASON"),
+                *((_when(i.time), i.boot[:8], i.action, i.reason) for i in sorted(g.incidents, key=lambda i: i.time))]
+        lines += ["  " + row for row in columns(rows)]
     if boots:
         lines.append("")
-        lines.append(f"{'BOOT':<10} {'FIRST SEEN (UTC)':<20} PROBLEMS")
-        for b in sorted(boots, key=lambda b: b.first_seen):
-            lines.append(f"{b.boot[:8]:<10} {_when(b.first_seen):<20} {', '.join(sorted(b.problems)) or '-'}")
+        lines += columns([("BOOT", "FIRST SEEN (UTC)", "PROBLEMS"),
+                          *((b.boot[:8], _when(b.first_seen), ", ".join(sorted(b.problems)) or "-")
+                            for b in sorted(boots, key=lambda b: b.first_seen))])
     return "\n".join(lines)
 
 

@@ -1,6 +1,7 @@
 """`gpu-npd`: diagnose a GPU node now, list checks and scenarios, validate rule files.
 
-Exit codes: 0 healthy, 1 problems found, 2 bad usage, bad rules or config, or an unusable backend.
+Exit codes: 0 healthy, 1 problems found, 2 bad usage, bad rules or config, an unusable backend or output that
+cannot be written; 130 Ctrl-C; 141 the output's reader went away (signals.ended_well).
 """
 
 from __future__ import annotations
@@ -12,11 +13,11 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from detector import __version__
 from detector.cli.hosts import BackendError, open_host
-from detector.cli.signals import Interrupted, on_stop_signals, restore
+from detector.cli.signals import Parser, ended_well, on_stop_signals, restore
 from detector.config import UsageError, load_selected_checks
 from detector.core.check import CheckRegistry, RegistryError
 from detector.core.clock import SimulatedClock
@@ -24,16 +25,23 @@ from detector.rules.loader import RuleErrors
 from detector.rules.sources import describe_rules, load_ruleset, rule_sources
 from detector.yamlsource import SourceError
 
+if TYPE_CHECKING:
+    from fake_nvml.fault_kind import FaultKind
+
 EXIT_HEALTHY, EXIT_PROBLEMS, EXIT_USAGE = 0, 1, 2
 MAX_DURATION_S = 86400.0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    """Every command, the emulator's included, ends as a Unix tool does when its pipe or disk does (ended_well)."""
+    return ended_well(lambda: _main(list(sys.argv[1:] if argv is None else argv)))
+
+
+def _main(argv: list[str]) -> int:
     if argv[:1] == ["emulator"]:                 # its own parser and --help
         from kube_emulator.cli import main as emulator_main
 
-        return emulator_main(argv[1:], prog="gpu-npd emulator")
+        return emulator_main(argv[1:], prog="gpu-npd emulator", parser_class=Parser)
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
@@ -43,7 +51,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def run_command(args: argparse.Namespace) -> int:
-    """Run a parsed command: a usage error is one line and exit code 2, Ctrl-C ends it quietly."""
+    """Run a parsed command: a usage error is one line and exit code 2; Ctrl-C ends it (ended_well says how)."""
     in_main_thread = threading.current_thread() is threading.main_thread()
     previous = on_stop_signals() if in_main_thread else {}   # long-running commands install their own
     try:
@@ -52,14 +60,12 @@ def run_command(args: argparse.Namespace) -> int:
         message = e.args[0] if isinstance(e, KeyError) and e.args else e
         print(f"gpu-npd: error: {message}", file=sys.stderr)
         return EXIT_USAGE
-    except KeyboardInterrupt as e:
-        return e.exit_code if isinstance(e, Interrupted) else 130
     finally:
         restore(previous)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="gpu-npd",
         description="GPU node problem detector: finds GPUs that fell off the bus, degraded PCIe links, "
                     "XIDs and more, and says what to do about them.",
@@ -125,16 +131,41 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr while long checks run")
     d.set_defaults(func=cmd_diagnose)
 
-    c = sub.add_parser("checks", help="list the checks and the fields rules can use")
+    c = sub.add_parser(
+        "checks", help="list the checks and the fields rules can use",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Every check: what it looks at, how often, its settings (for --config), the fields its\n"
+                    "observations carry (what a rule's `when` can test) and the metrics it exports.",
+        epilog="examples:\n"
+               "  gpu-npd checks                                     # every check, its settings and fields\n"
+               "  gpu-npd checks | sed -n '/^thermal:/,/^$/p'        # one check\n"
+               "  gpu-npd diagnose --nvml fake:h100-sxm-8 --checks xid,pcie   # run only these")
     c.set_defaults(func=cmd_checks)
 
-    r = sub.add_parser("validate-rules", help="load rule files and report every mistake (exit 2) or OK")
+    r = sub.add_parser("validate-rules", help="load rule files and report every mistake (exit 2) or OK",
+                       formatter_class=argparse.RawDescriptionHelpFormatter,
+                       description="Load rule files as the daemon would and print every mistake of every file at "
+                                   "once\n(file:line: field: what was expected, with 'did you mean' for a near "
+                                   "miss), or what loaded.",
+                       epilog="examples:\n"
+                              "  gpu-npd validate-rules                         # the bundled rules\n"
+                              "  gpu-npd validate-rules +my-rules.yaml          # the bundled rules plus a file of "
+                              "your own\n"
+                              "  gpu-npd validate-rules my-rules.yaml           # only these (files or folders)")
     r.add_argument("paths", nargs="*", metavar="PATH",
                    help="files or directories, as --rules takes them ('+PATH' adds to the bundled rules; "
                         "default: builtin)")
     r.set_defaults(func=cmd_validate_rules)
 
-    s = sub.add_parser("scenarios", help="list the bundled fake-node scenarios for --nvml fake:NAME")
+    s = sub.add_parser(
+        "scenarios", help="list the bundled fake-node scenarios for --nvml fake:NAME",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="The bundled fake nodes, each with what is wrong with it: try gpu-npd on them without a GPU.",
+        epilog="examples:\n"
+               "  gpu-npd scenarios                                  # the fake nodes, for --nvml fake:NAME\n"
+               "  gpu-npd scenarios | grep xid                       # the ones with an XID\n"
+               "  gpu-npd scenarios --faults                         # the fault kinds and their parameters\n"
+               "  gpu-npd diagnose --nvml fake:h100-sxm-8-xid79      # judge one")
     s.add_argument("--faults", action="store_true",
                    help="list the fault kinds instead: what each does and its parameters, for scenario files, "
                         "fleet files, POST /faults and the gpu-npd.io/inject-fault annotation")
@@ -287,18 +318,25 @@ def cmd_validate_rules(args: argparse.Namespace) -> int:
 
 
 def cmd_scenarios(args: argparse.Namespace) -> int:
+    from detector.cli.render import columns
     from fake_nvml.scenario import bundled_scenarios, load_scenario
 
     if args.faults:
         from fake_nvml.faults import FAULT_KINDS
 
-        for kind in sorted(FAULT_KINDS.values(), key=lambda k: k.name):
-            params = ", ".join(f"{p}{'' if p in kind.required else '?'}: {t.__name__}" for p, t in kind.params.items())
-            print(f"{kind.name:24} {'gpu, ' if kind.needs_gpu else ''}{params or '-'}\n{'':24} {kind.help}")
+        kinds = sorted(FAULT_KINDS.values(), key=lambda k: k.name)
+        indent = " " * (max(len(k.name) for k in kinds) + 2)    # the help lines start under the parameters
+        for kind, line in zip(kinds, columns([(k.name, _fault_params(k)) for k in kinds])):
+            print(f"{line}\n{indent}{kind.help}")
         return EXIT_HEALTHY
-    for name in bundled_scenarios():
-        print(f"{name:28} {load_scenario(name).description}")
+    print("\n".join(columns([(name, load_scenario(name).description) for name in bundled_scenarios()])))
     return EXIT_HEALTHY
+
+
+def _fault_params(kind: FaultKind) -> str:
+    """`gpu, code: int, count?: int`: whether it names a GPU, then its parameters (`?`: optional)."""
+    params = ", ".join(f"{p}{'' if p in kind.required else '?'}: {t.__name__}" for p, t in kind.params.items())
+    return f"{'gpu, ' if kind.needs_gpu else ''}{params or '-'}"
 
 
 if __name__ == "__main__":

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import re
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
 from detector.core.gpu_health import GpuHealth, gpu_health, gpu_key
 from detector.core.inventory import GpuIdentity
-from detector.core.sweep import SweepResult
+from detector.core.sweep import CheckRun, SweepResult
 from detector.core.types import GpuRef, Problem, Severity
+
+_NONE = re.compile(r"\bNone\b")       # Python's None, as a check's own text may carry it
 
 
 @dataclass(frozen=True)
@@ -91,9 +95,9 @@ def render_table(d: Diagnosis) -> str:
                      ",".join(reasons.get(bus, [])) or "NotSeenByNvml"))
     if len(rows) > 1:
         lines += ["", *columns(rows)]
-    lines += ["", "checks: " + ", ".join(
-        f"{r.name} {r.status} ({r.duration_ms:.0f} ms)" + (f": {r.error}" if r.error else "") for r in d.sweep.runs)]
-    lines += [f"{r.name}: {r.summary}" for r in d.sweep.runs if r.summary]
+    found = Counter(p.check for p in d.problems)
+    lines += ["", "checks: " + ", ".join(_check_cell(r, found[r.name]) for r in d.sweep.runs)]
+    lines += [f"{r.name}: {_readable(r.summary)}" for r in d.sweep.runs if r.summary]
     lines.append("")
     if not d.problems:
         lines.append("No problems found.")
@@ -136,11 +140,28 @@ def _health_cell(h: GpuHealth | None) -> str:
     return f"{h.state} {h.action}"
 
 
+def _check_cell(run: CheckRun, problems: int) -> str:
+    """`xid ok (1 ms)` only for a check that ran and whose observations no rule found a problem in: else
+    `xid found 1 problem (1 ms)`, `nccl skipped (0 ms): why`."""
+    words = [] if run.status == "ok" and problems else [run.status]
+    if problems:
+        words.append(f"found {problems} problem{'s' if problems != 1 else ''}")
+    why = f": {_readable(run.error)}" if run.error else ""
+    return f"{run.name} {', '.join(words)} ({run.duration_ms:.0f} ms){why}"
+
+
+def _readable(text: str) -> str:
+    """A check's own summary or error as a person reads it: a reading it could not take is `unknown`, never
+    Python's `None` (a check that formats its readings as they are, missing ones included, says None)."""
+    return _NONE.sub("unknown", text)
+
+
 def _badge(severity: Severity) -> str:
     return f"{severity.value.upper():<8}"
 
 
 def columns(rows: list[tuple[str, ...]]) -> list[str]:
-    """Rows as left-aligned columns two spaces apart, the first row being the header."""
+    """Rows (a header row first, where there is one) as left-aligned columns two spaces apart, each column as
+    wide as its widest cell, so that no name, however long, pushes a row out of line."""
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]

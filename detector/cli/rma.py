@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from detector.checks.node.history import GpuRecord, Incident, SeenGpu
 from detector.agent.bundle_index import Bundle
+from detector.checks.node.history import GpuRecord, Incident, SeenGpu
 
 MESSAGE_MAX = 80                 # an incident's message in the table (the JSON has it whole)
 NO_SERIAL = ("serial unknown: neither NVML (a GPU lost before gpu-npd read it in that boot) nor the kernel log "
@@ -102,6 +102,8 @@ def rma_report(gpus: list[GpuRecord], bundles: list[Bundle], *, node: str, now: 
 
 def render_rma(report: RmaReport, window_text: str) -> str:
     """The report as text: a header, then one block per GPU."""
+    from detector.cli.render import columns      # diagnose's table helper: not imported by `gpu-npd run`
+
     lines = ["gpu-npd RMA evidence",
              f"  node:          {report.node}",
              f"  generated at:  {_when(report.generated)}",
@@ -123,21 +125,25 @@ def render_rma(report: RmaReport, window_text: str) -> str:
             lines.append(f"  note:       {note}")
         lines.append(f"  incidents:  {len(r.incidents)} on {g.boots} boot(s); {g.boots_in_window} boot(s) "
                      f"within {window_text}")
-        lines.append(f"    {'WHEN (UTC)':<20} {'BOOT':<10} {'ACTION':<16} {'REASON':<28} MESSAGE")
-        for i in _oldest_first(r.incidents):
-            lines.append(f"    {_when(i.time):<20} {i.boot[:8]:<10} {i.action:<16} {i.reason:<28} "
-                         f"{_short(i.message) or '-'}".rstrip())
+        lines += _indented(columns([("WHEN (UTC)", "BOOT", "ACTION", "REASON", "MESSAGE")] + [
+            (_when(i.time), i.boot[:8], i.action, i.reason, _short(i.message) or "-")
+            for i in _oldest_first(r.incidents)]))
         if g.bundles:
             lines.append(f"  bundles:    {len(g.bundles)}")
-            lines.append(f"    {'CREATED':<20} {'SIZE':>10}  PATH")
-            for b in g.bundles:
-                lines.append(f"    {b.created or '?':<20} {_size(b.bytes):>10}  {b.path}")
+            sizes = [_size(b.bytes) for b in g.bundles]
+            width = max(map(len, ["SIZE", *sizes]))            # sizes right-aligned, to compare at a glance
+            lines += _indented(columns([("CREATED", "SIZE".rjust(width), "PATH")] + [
+                (b.created or "?", size.rjust(width), str(b.path)) for b, size in zip(g.bundles, sizes)]))
         else:
             lines.append("  bundles:    none kept for this GPU")
         lines.append("")
     for note in report.notes:
         lines.append(f"note: {note}")
     return "\n".join(lines).rstrip()
+
+
+def _indented(lines: list[str]) -> list[str]:
+    return ["    " + line for line in lines]
 
 
 def _oldest_first(incidents: list[Incident]) -> list[Incident]:

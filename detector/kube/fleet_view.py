@@ -167,6 +167,7 @@ class FleetView:
     listed: int = 0               # nodes the LIST returned
     gpu_nodes: int = 0
     gpus: int = 0                 # GPUs of the GPU nodes that say how many they have
+    uncounted: int = 0            # GPU nodes that do not say (no nvidia.com/gpu capacity or count label)
     failed: int = 0
     degraded: int = 0
     not_reporting: int = 0
@@ -189,9 +190,9 @@ class FleetView:
         return self.with_problems == 0 and self.malformed == 0
 
     def summary(self) -> dict[str, int]:
-        return {"nodes": self.gpu_nodes, "gpus": self.gpus, "failed": self.failed, "degraded": self.degraded,
-                "notReporting": self.not_reporting, "nodesWithProblems": self.with_problems,
-                "listed": self.listed, "pages": self.pages}
+        return {"nodes": self.gpu_nodes, "gpus": self.gpus, "nodesWithoutGpuCount": self.uncounted,
+                "failed": self.failed, "degraded": self.degraded, "notReporting": self.not_reporting,
+                "nodesWithProblems": self.with_problems, "listed": self.listed, "pages": self.pages}
 
     def skip(self, where: str, error: Malformed) -> None:
         self.malformed += 1
@@ -200,7 +201,10 @@ class FleetView:
 
     def add(self, node: FleetNode, keep_all: bool) -> None:
         self.gpu_nodes += 1
-        self.gpus += node.gpus or 0
+        if node.gpus is None:         # not 0 GPUs: a count beside its failed ones would contradict them
+            self.uncounted += 1
+        else:
+            self.gpus += node.gpus
         self.failed += node.failed
         self.degraded += node.degraded
         self.not_reporting += not node.reporting

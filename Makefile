@@ -76,12 +76,16 @@ $(NVML_COMPAT)/%/.installed-stamp: pyproject.toml
 	touch $@
 
 test: install $(TORCH_STAMP) $(KUBECTL_STAMP) $(HELM_STAMP) prometheus nvml-compat
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n auto --dist worksteal
 
-demo: install
+# kubectl too: the README's tour uses it (export PATH=$PWD/.venv/tools:$PATH).
+demo: install $(KUBECTL_STAMP)
 	@echo "== gpu-npd run on a fake 8x H100 node, reporting to an in-process Kubernetes API emulator."
-	@echo "== XID 79 hits GPU 3 after a few seconds; then the node reboots. Conditions and events as they change:"
+	@echo "== XID 79 hits GPU 3 after a few seconds; then the node reboots. What changes on the node, as it does"
+	@echo "== (.venv/bin/gpu-npd demo -v: every update):"
 	@$(BIN)/gpu-npd demo
+	@echo "== For the README's tour: gpu-npd is in .venv/bin, kubectl in .venv/tools:"
+	@echo "==   export PATH=$$PWD/.venv/bin:$$PWD/.venv/tools:$$PATH"
 
 # On a machine with NVIDIA GPUs: real-NVML conformance, diagnose with every check, the NCCL probe, the
 # daemon against the emulator for a minute with CUDA application faults (cupy or torch), and the machine's

@@ -23,3 +23,11 @@ def test_demo_fences_one_gpu_and_ends_a_remediation_loop(capsys):
     assert "kubelet's own conditions, never touched by gpu-npd: DiskPressure=False, MemoryPressure=False, " \
            "PIDPressure=False, Ready=True" in out
     assert out.rstrip().endswith("demo finished")
+    # The story, not drowned: its 8 steps, and none of the readiness countdown or the first False of each
+    # condition (gpu-npd demo -v prints those; tests/test_tour.py has the Watcher's two modes).
+    assert out.count(">>> ") == 8
+    assert "ChecksPending" not in out and "NoGpuNodeUnverified" not in out
+    assert "reason=NoGpuXidError" in out                      # a cure is told ...
+    assert out.count("condition GpuXidError=False") == 2      # ... once per cure, never the first False
+    assert "RecoveryVerified" in out
+    assert len(out.splitlines()) < 100, out

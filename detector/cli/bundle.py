@@ -9,6 +9,7 @@ import sys
 from collections import deque
 from pathlib import Path
 
+from detector.cli.daemon import node_state_dir
 from detector.config import UsageError
 
 EXIT_WRITTEN, EXIT_USAGE = 0, 2
@@ -41,8 +42,9 @@ def add_bundle_parser(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--kernel-log", metavar="FILE",
                    help="keep this saved kernel log (a file, directory or glob of rotated pieces, as diagnose "
                         "reads it) instead of the live one; its last --max-size bytes at most")
-    b.add_argument("--state-dir", type=Path, metavar="DIR", help="the daemon's state directory: its history.json "
-                                                                 "goes into the bundle")
+    b.add_argument("--state-dir", type=Path, metavar="DIR", default=os.environ.get("GPU_NPD_STATE_DIR"),
+                   help="the daemon's state directory: its history.json goes into the bundle (default: "
+                        "$GPU_NPD_STATE_DIR, else the one `gpu-npd run` keeps for this machine's real GPUs)")
     b.add_argument("--max-size", type=float, default=64, metavar="MIB",
                    help="size cap of the whole bundle in MiB (default 64): the kernel log is cut to its newest "
                         "lines, another file past the cap is left out; the manifest lists both")
@@ -95,6 +97,7 @@ def cmd_bundle(args: argparse.Namespace) -> int:
     overrides = {"xid": {"kernel_log_file": saved}} if saved else {}
     checks = load_selected_checks(registry, None, args.config, overrides)
     host = open_host(args.nvml, node_name=args.node_name, sysfs_root=args.sysfs_root, nvidia_smi=args.nvidia_smi)
+    state_dir = node_state_dir(args.nvml, Path(args.state_dir) if args.state_dir else None)
     try:
         kernel_lines = None
         if host.kernel_log is not None and not saved:
@@ -105,7 +108,7 @@ def cmd_bundle(args: argparse.Namespace) -> int:
                     break
             kernel_lines = tail.lines()
         options = BundleOptions(reason=args.reason, max_bytes=max_bytes, redact=args.redact,
-                                history=args.state_dir / "history.json" if args.state_dir else None,
+                                history=state_dir / "history.json" if state_dir else None,
                                 inventory_timeout_s=args.inventory_timeout,
                                 kernel_text=_saved_text(pieces, max_bytes) if saved else None)
         manifest = write_bundle(

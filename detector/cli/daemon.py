@@ -8,7 +8,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 from detector.cli.history import add_history_parser
 from detector.agent.agent import (CLEAR_RESULT_FILE, CLEAR_RESULT_LIMIT, PROBLEMS_FILE, PROBLEMS_LIMIT, AgentSettings,
@@ -24,14 +24,45 @@ from detector.kube.nodewatch import NodeWatchSettings
 from detector.kube.reporter import ReporterSettings
 
 DEFAULT_LISTEN = "0.0.0.0:9808"
-DEFAULT_STATE_DIR = "/var/lib/gpu-npd"
+ROOT_STATE_DIR = Path("/var/lib/gpu-npd")     # root's; the DaemonSet passes it as --state-dir (deploy/, the chart)
+STATE_DIR_ENV = "GPU_NPD_STATE_DIR"
 
 
 def _env(name: str, default: Any = None) -> Any:
     return os.environ.get(name, default)
 
 
+def default_state_dir(environ: Mapping[str, str] | None = None, euid: int | None = None) -> Path:
+    """The one default state directory: where `run` keeps its state when not told, and where `history`,
+    `clear` (and `bundle`) look. $GPU_NPD_STATE_DIR when set; else /var/lib/gpu-npd for root (as in the
+    DaemonSet's pod); else the user's own, $XDG_STATE_HOME/gpu-npd or ~/.local/state/gpu-npd, so a local run
+    needs no root and its history is found without a flag."""
+    env = os.environ if environ is None else environ
+    if env.get(STATE_DIR_ENV):
+        return Path(env[STATE_DIR_ENV])
+    if (os.geteuid() if euid is None else euid) == 0:
+        return ROOT_STATE_DIR
+    xdg = env.get("XDG_STATE_HOME", "")
+    if os.path.isabs(xdg):                      # the XDG spec: a relative value is to be ignored
+        return Path(xdg) / "gpu-npd"
+    home = env.get("HOME") or os.path.expanduser("~")
+    return Path(home) / ".local" / "state" / "gpu-npd" if os.path.isabs(home) else ROOT_STATE_DIR
+
+
+def node_state_dir(nvml: str, given: Path | None, default: Path | None = None) -> Path | None:
+    """The state directory of the node `--nvml` names: `given` (--state-dir, $GPU_NPD_STATE_DIR) when there
+    is one; else this machine's own (default_state_dir) for its real GPUs; else none. A fake or replayed
+    node keeps nothing by default: its fault drills would enter this machine's held problems and GPU
+    history (a fake node boots with the same boot id every time, so a held XID would outlive the drill)."""
+    if given is not None:
+        return given
+    if nvml == "real":
+        return default if default is not None else default_state_dir()
+    return None
+
+
 def add_daemon_parsers(sub: Any) -> None:
+    state_dir = default_state_dir()
     r = sub.add_parser(
         "run", help="run as the node's daemon: checks on their intervals, conditions and events to Kubernetes",
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -63,9 +94,11 @@ def add_daemon_parsers(sub: Any) -> None:
     r.add_argument("--listen", default=_env("GPU_NPD_LISTEN", DEFAULT_LISTEN), metavar="HOST:PORT",
                    help=f"/metrics, /healthz and /readyz [GPU_NPD_LISTEN] (default: {DEFAULT_LISTEN}: in a pod, the "
                         "pod IP and loopback; on a host, every interface: name one there)")
-    r.add_argument("--state-dir", type=Path, default=_env("GPU_NPD_STATE_DIR"), metavar="DIR",
-                   help="keeps the kernel-log cursor and held problems across restarts [GPU_NPD_STATE_DIR] "
-                        f"(the DaemonSet uses {DEFAULT_STATE_DIR}; default: none, nothing kept)")
+    r.add_argument("--state-dir", type=Path, default=_env(STATE_DIR_ENV), metavar="DIR",
+                   help="keeps the kernel-log cursor, held problems, the GPUs' history and evidence bundles "
+                        f"across restarts [{STATE_DIR_ENV}] (default: {state_dir} for --nvml real, where gpu-npd "
+                        "history and clear look: /var/lib/gpu-npd as root, else $XDG_STATE_HOME/gpu-npd or "
+                        "~/.local/state/gpu-npd; none for a fake or replayed node)")
     r.add_argument("--sysfs-root", type=Path, metavar="DIR", help="sysfs at DIR (default /sys; /host/sys in a pod); the driver check reads proc, dev and run beside it")
     r.add_argument("--nvidia-smi", metavar="PATH", help="nvidia-smi to run (default: nvidia-smi on PATH)")
     r.add_argument("--inventory-timeout", type=float, default=10.0, metavar="S", help="NVML call timeout (default 10)")
@@ -127,18 +160,23 @@ def add_daemon_parsers(sub: Any) -> None:
 
     c = sub.add_parser(
         "clear", help="release held conditions (XID conditions hold until a reboot or this)",
-        description="Ask the running daemon on this node to release held conditions, for example after a GPU "
-                    "reset. Run it in the daemon's pod: kubectl exec -n gpu-npd POD -- gpu-npd clear GpuXidError")
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Ask the running daemon on this node to release held conditions, for example after a GPU\n"
+                    "reset. Run it in the daemon's pod: kubectl exec -n gpu-npd POD -- gpu-npd clear GpuXidError",
+        epilog="examples:\n"
+               "  gpu-npd clear --list                 # what is held, since when and until what; clears nothing\n"
+               "  gpu-npd clear GpuXidError            # release the XID condition after a GPU reset\n"
+               "  gpu-npd clear --wait 0               # release everything held; do not wait for the answer")
     c.add_argument("types", nargs="*", metavar="TYPE", help="condition types to clear (default: all held)")
     c.add_argument("--list", action="store_true", help="show what is held (since when, why, until what) and "
                                                        "what is live, and clear nothing")
     c.add_argument("--wait", type=float, default=15.0, metavar="S",
                    help="wait this long for the daemon to say what it cleared (default 15; 0: do not wait)")
-    c.add_argument("--state-dir", type=Path, default=Path(_env("GPU_NPD_STATE_DIR", DEFAULT_STATE_DIR)),
-                   help=f"the daemon's --state-dir (default: {DEFAULT_STATE_DIR})")
+    c.add_argument("--state-dir", type=Path, default=state_dir, metavar="DIR",
+                   help=f"the daemon's --state-dir [{STATE_DIR_ENV}] (default: {state_dir})")
     c.set_defaults(func=cmd_clear)
 
-    add_history_parser(sub, Path(_env("GPU_NPD_STATE_DIR", DEFAULT_STATE_DIR)))
+    add_history_parser(sub, state_dir)
 
     # Listed here for `gpu-npd --help`; main() hands `gpu-npd emulator ...` to the emulator's own parser.
     sub.add_parser("emulator", help="run the bundled Kubernetes API emulator (tests and demos); see "
@@ -187,12 +225,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     replaced = all(s["source"] != BUILTIN_RULES for s in rule_sources(ruleset))   # a warning: said aloud
     logging.getLogger("gpu_npd").log(logging.WARNING if replaced else logging.INFO, describe_rules(ruleset))
     checks = load_selected_checks(registry, args.checks, args.config)
-    state_dir = args.state_dir
-    if state_dir is not None:
-        try:
-            state_dir.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise UsageError(f"--state-dir {state_dir}: {e.strerror or e}") from None
+    state_dir = _run_state_dir(args.nvml, args.state_dir)
     api = None
     if not args.no_kube:
         try:
@@ -227,6 +260,29 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise UsageError(f"--listen {args.listen}: {e.strerror or e}") from None
     on_stop_signals(lambda signum: daemon.stop.set())      # a second one exits at once
     return daemon.run()
+
+
+def _run_state_dir(nvml: str, given: Path | None) -> Path | None:
+    """node_state_dir, made: a --state-dir that cannot be made is a usage error; the default one costs only
+    what is kept across restarts, and the log says why nothing is."""
+    from detector.config import UsageError
+
+    log = logging.getLogger("gpu_npd")
+    state_dir = node_state_dir(nvml, given)
+    if state_dir is None:
+        log.info("no state kept across restarts: a %s node keeps none unless given --state-dir (its faults are "
+                 "not this machine's history in %s)", nvml.partition(":")[0], default_state_dir())
+        return None
+    try:
+        state_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        if given is not None:
+            raise UsageError(f"--state-dir {state_dir}: {e.strerror or e}") from None
+        log.warning("cannot keep state in %s (%s): nothing is kept across restarts; give --state-dir DIR",
+                    state_dir, e.strerror or e)
+        return None
+    log.info("state kept in %s%s", state_dir, "" if given is not None else " (the default; gpu-npd history reads it)")
+    return state_dir
 
 
 def cmd_clear(args: argparse.Namespace) -> int:

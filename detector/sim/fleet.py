@@ -26,6 +26,7 @@ from detector.sim.annotations import INJECT_ANNOTATION, STATUS_ANNOTATION, Annot
 from detector.sim.faultlog import FaultLog
 from detector.sim.fleetfile import FleetSpec, SimNodeSpec
 from detector.sim.scheduler import Scheduler, Task
+from detector.sim.tally import FleetTally
 from detector.sim.timeline import PlannedFault, plan_faults
 from detector.sim.watch import NodeWatch
 from fake_nvml import device_plugin
@@ -178,6 +179,8 @@ class Fleet:
                                                          MESSAGE_LIMIT - len(MARKER)))
         self.watch: NodeWatch | None = None
         self._annotation_lock = threading.Lock()
+        self.tally = FleetTally(self.settings.agent.remediation_types)   # what the nodes showed, for the summary
+        self.planned: list[PlannedFault] = []             # the timeline, once started
 
     # -- life -------------------------------------------------------------------------------------
 
@@ -202,6 +205,7 @@ class Fleet:
         planned = plan_faults(self.spec, self.settings.horizon_s)
         if adopted:
             planned = [replace(p, node=adopted.get(p.node, p.node)) for p in planned]
+        self.planned = [p for p in planned if p.node in self.nodes]
         if planned:
             self.scheduler.wake(_FaultsTask(self, planned), self.started_at + planned[0].at_s)
         self.scheduler.start()
@@ -332,7 +336,8 @@ class Fleet:
         checks = build_checks(self.registry, None, self._check_settings)
         rng = random.Random(self.rng.random())
         reporter = KubeReporter(self.api, spec.name, self._owned_types, self.settings.reporter, self.clock, rng)
-        agent = NodeAgent(host, checks, self.ruleset, [reporter], self._agent_settings, self.clock, rng)
+        agent = NodeAgent(host, checks, self.ruleset, [reporter, self.tally.sink(spec.name)], self._agent_settings,
+                          self.clock, rng)
         node = SimNode(spec, fake, agent, reporter)
         reporter.on_pending = lambda: self.scheduler.wake(node.send_task)
         node.status_task.write = self._write_status

@@ -39,6 +39,7 @@ from detector.rules.sources import builtin_rules_dir  # noqa: E402
 from detector.core.gpu_health import DEGRADED, FAILED, GpuHealth  # noqa: E402
 from detector.core.types import GpuRef  # noqa: E402
 from detector.kube.annotations import UNHEALTHY_GPUS, unhealthy_gpus_annotation  # noqa: E402
+from detector.kube.reporter import ALWAYS_WRITTEN  # noqa: E402
 from detector.kube.conditions import ConditionReporter  # noqa: E402
 from detector.rules.loader import load_rules  # noqa: E402
 from kube_emulator import Emulator  # noqa: E402
@@ -66,7 +67,8 @@ class Capture:
 def daemon_patch(name: str, types: list[str], broken: str | None, gpu: int, now: float) -> dict[str, Any]:
     """The status PATCH the daemon sends for this node: its conditions and annotation."""
     api = Capture()
-    out = ConditionReporter(api, name, types, clock=lambda: now)      # type: ignore[arg-type] - one call
+    out = ConditionReporter(api, name, types, clock=lambda: now,      # type: ignore[arg-type] - one call
+                            always=ALWAYS_WRITTEN)      # as the daemon: a healthy node shows these two
     out.adopt({"status": {"conditions": []}})
     statuses = []
     for t in types:

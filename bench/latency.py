@@ -54,8 +54,8 @@ def main() -> int:
     latencies: list[float] = []
     misses = 0
     try:
-        if not local.wait_for(lambda: status() == "False", 30.0):
-            raise SystemExit("the daemon never reported its first conditions")
+        if not local.wait_for(lambda: local.settled(CONDITION) and status() is None, 30.0):
+            raise SystemExit("the daemon never judged the node (a healthy node shows no such condition)")
         for i in range(args.injections):
             gpu = i % 8
             t0 = time.perf_counter()

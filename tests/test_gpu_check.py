@@ -56,7 +56,8 @@ def test_dry_run_writes_every_step_and_a_summary(tmp_path):
     assert daemon["exit_code"] == 0
     assert daemon["verdict"]["conditions_true"] == ["GpuPcieDegraded/PcieLinkWidthDegraded"]
     assert daemon["verdict"]["device_taint_rules"] == ["gpu-npd.io/gpu-unhealthy=degraded:NoSchedule on gpu-5"]
-    assert daemon["verdict"]["conditions_seen"] >= 10
+    # the two conditions a remediator and the readiness gate read are always there; others only once seen
+    assert daemon["verdict"]["condition_types"] == ["GpuNodeNeedsRemediation", "GpuNodeUnverified", "GpuPcieDegraded"]
     assert "ok: verdict NOT healthy" in lines["daemon"]
     assert "faults: skipped: a dry run" in summary
     steady = daemon["steady"]

@@ -435,6 +435,7 @@ def _verdict(emulator: Any) -> dict[str, Any]:
                   if c.get("message", "").startswith(MARKER)]
     return {"conditions_true": [f"{c['type']}/{c.get('reason')}" for c in conditions if c.get("status") == "True"],
             "conditions_seen": len(conditions),
+            "condition_types": sorted(c["type"] for c in conditions),   # a problem never seen writes none
             "device_taint_rules": [_taint_text(r) for r in emulator.device_taint_rules()]}
 
 

@@ -237,7 +237,7 @@ class ActiveProblems:
                       key=lambda l: (-action_strength(l.problem.action), -l.problem.severity.rank, -l.last,
                                      l.problem.rule))
         if not held:
-            return ConditionStatus(type_, False, f"No{type_}", f"no {type_} problem found")
+            return ConditionStatus(type_, False, f"No{type_}", "no problem found")   # the reason names the type
         top = held[0].problem
         bodies: list[str] = []
         for latch in held:

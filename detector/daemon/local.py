@@ -66,6 +66,12 @@ class LocalDaemon:
         node = self.emulator.node(self.node_name)
         return {c["type"]: c for c in node.get("status", {}).get("conditions", [])}
 
+    def settled(self, *types: str) -> bool:
+        """The daemon judged these condition types and the API server shows what it decided: True, False,
+        or, for a problem never seen on this node, no condition at all."""
+        reporter = self.daemon.reporter
+        return reporter is not None and reporter.settled(list(types))
+
     def events(self) -> list[dict[str, Any]]:
         return [e for e in self.emulator.events() if e.get("involvedObject", {}).get("name") == self.node_name]
 

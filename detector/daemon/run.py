@@ -119,8 +119,11 @@ class Daemon:
             api.counts.listener = self.metrics.api_request
             self.api_health = api.health = ApiHealth(logging.getLogger("gpu_npd.kube"),
                                                      self.settings.reporter.outage_log_every_s)
-            self.reporter = KubeReporter(api, host.node_name, sorted(ruleset.types()), self.settings.reporter,
-                                         clock, rng)
+            # what a remediator keys on is written from its first judgement, whatever the remediation types
+            reporter = self.settings.reporter
+            always = tuple(dict.fromkeys((*reporter.always_written, *self.settings.agent.remediation_types)))
+            self.reporter = KubeReporter(api, host.node_name, sorted(ruleset.types()),
+                                         replace(reporter, always_written=always), clock, rng)
         self.device_taints: DeviceTaintSink | None = None
         if api is not None and self.settings.dra_taints is not None:
             self.device_taints = DeviceTaintSink(api, host.node_name, self.settings.dra_taints, rng=rng)

@@ -21,17 +21,28 @@ from detector.core.gpu_health import GpuHealth
 from detector.core.types import Problem, Severity
 from detector.kube.annotations import unhealthy_gpus_annotation
 from detector.kube.api import ApiError, KubeApi
-from detector.kube.conditions import ConditionReporter
+from detector.kube.conditions import KEEP_CLEARED_S, ConditionReporter
 from detector.kube.events import EventReporter, EventSettings
 from detector.kube.pacing import Backoff
 
 log = logging.getLogger("gpu_npd.kube")
 
 
+# Written from their first judgement, False included: a node remediator keys on the first (medik8s
+# NodeHealthCheck, draino), the Node Readiness Controller on the second, which it reads as not verified while
+# it is missing. Every other type is written only once its problem was seen on the node.
+ALWAYS_WRITTEN = ("GpuNodeNeedsRemediation", "GpuNodeUnverified")
+
+
 @dataclass
 class ReporterSettings:
-    heartbeat_s: float = 300.0          # node-problem-detector's --k8s-exporter-heartbeat-period
+    # node-problem-detector's --k8s-exporter-heartbeat-period. What acts on the conditions does not read
+    # lastHeartbeatTime (a NodeHealthCheck times a condition from its lastTransitionTime, the Node Readiness
+    # Controller reads its status); `gpu-npd fleet` says a node is not reporting after three missed.
+    heartbeat_s: float = 300.0
     heartbeat_jitter: float = 0.1
+    always_written: tuple[str, ...] = ALWAYS_WRITTEN
+    keep_cleared_s: float = KEEP_CLEARED_S   # a condition whose problem is over stays False this long, then goes
     start_wait_s: float = 300.0         # conditions wait this long for the node to be read, then go without
     backoff_base_s: float = 0.5
     backoff_cap_s: float = 30.0
@@ -48,7 +59,8 @@ class KubeReporter(AgentSink):
         rng = rng or random.Random()
         s = self.settings
         self.condition_out = ConditionReporter(api, node, owned_types, clock, s.heartbeat_s, s.heartbeat_jitter,
-                                               rng, self._backoff(rng))
+                                               rng, self._backoff(rng), always=s.always_written,
+                                               keep_cleared_s=s.keep_cleared_s)
         self.event_out = EventReporter(api, node, clock, s.events, rng, self._backoff(rng))
         self.wake = threading.Event()       # set whenever something is waiting to be sent
         self.on_pending: Callable[[], None] | None = None
@@ -157,6 +169,11 @@ class KubeReporter(AgentSink):
         self.wake.set()
         if self.on_pending:
             self.on_pending()
+
+    def settled(self, types: list[str]) -> bool:
+        """The node was read, and shows what was decided for these types (True, False, or nothing for a
+        problem never seen on it)."""
+        return self.started and self.condition_out.settled(types)
 
     # -- sending --------------------------------------------------------------------------------
 

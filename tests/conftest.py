@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,7 +16,7 @@ from detector.config import build_checks
 from detector.core.check import CheckRegistry
 from detector.core.sweep import Host, SweepResult
 from detector.core.types import Problem
-from detector.rules.loader import load_rules
+from detector.rules.loader import RuleSet, load_rules
 from fake_nvml.host import fake_host
 from fake_nvml.node import FakeNode
 from fake_nvml.scenario import load_scenario
@@ -50,9 +51,15 @@ def registry() -> CheckRegistry:
     return CheckRegistry.from_entry_points()
 
 
+@functools.cache
+def builtin_rules() -> RuleSet:
+    """The bundled rules, read once per test process (no test changes them): hundreds of tests judge by them."""
+    return load_rules([builtin_rules_dir()], CheckRegistry.from_entry_points().fields_by_check())
+
+
 def diagnose_host(host: Host, registry: CheckRegistry, checks: Sequence[str] | None = None,
                   settings: dict | None = None, inventory_timeout_s: float = 5.0) -> Outcome:
-    rules = load_rules([builtin_rules_dir()], registry.fields_by_check())
+    rules = builtin_rules()
     try:
         sweep, problems = diagnose_once(host, build_checks(registry, checks, settings or {}), rules,
                                         inventory_timeout_s)

@@ -12,6 +12,7 @@ from detector.rules.model import compose_message
 from detector.core.types import GpuRef, Problem, Severity
 from detector.rules.loader import load_rules
 from detector.yamlsource import SourceError
+from conftest import builtin_rules
 
 RULES = """\
 version: 1
@@ -242,7 +243,6 @@ def test_a_template_that_repeats_its_message_says_it_once():
 
 def test_agent_reuses_a_recent_inventory_for_the_xid_check_only_until_it_is_old(registry):
     from detector.agent.agent import AgentSettings, NodeAgent
-    from detector.rules.sources import builtin_rules_dir
     from detector.config import build_checks
     from fake_nvml.host import fake_host
     from fake_nvml.scenario import load_scenario
@@ -252,7 +252,7 @@ def test_agent_reuses_a_recent_inventory_for_the_xid_check_only_until_it_is_old(
     real = host.nvml.nvmlDeviceGetCount
     host.nvml.nvmlDeviceGetCount = lambda: calls.append(1) or real()
     checks = {c.name: c for c in build_checks(registry, None, {})}
-    agent = NodeAgent(host, list(checks.values()), load_rules([builtin_rules_dir()], registry.fields_by_check()),
+    agent = NodeAgent(host, list(checks.values()), builtin_rules(),
                       settings=AgentSettings(inventory_max_age_s=0.2))
     agent.run([checks["pcie"]])
     agent.run([checks["xid"]])

@@ -9,10 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import Clock
+from conftest import builtin_rules, Clock
 from detector.agent.agent import AgentSettings, NodeAgent
 from detector.checks.allocatable import AllocatableCheck
-from detector.rules.sources import builtin_rules_dir
 from detector.config import build_checks
 from detector.core.gpu_health import gpu_health
 from detector.core.nodecheck import NodeView
@@ -20,7 +19,6 @@ from detector.core.nodestatus import NodeStatus
 from detector.core.types import GpuRef, Problem, Severity
 from detector.kube.node_status import dra_devices, node_status
 from detector.rules.engine import RuleEngine
-from detector.rules.loader import load_rules
 from detector.yamlsource import load_yaml
 from fake_nvml.faults import Fault
 from fake_nvml.host import fake_host
@@ -32,7 +30,7 @@ A100_UUID = "GPU-13719f71-412c-d11e-b236-a262f530a4fc"
 
 @pytest.fixture(scope="module")
 def engine(registry) -> RuleEngine:
-    return RuleEngine(load_rules([builtin_rules_dir()], registry.fields_by_check()))
+    return RuleEngine(builtin_rules())
 
 
 def node(fixture: str, **labels: str) -> NodeStatus:
@@ -294,7 +292,7 @@ def test_settle_holds_judgement_after_boot_or_agent_start(engine):
 
 def test_through_the_agent_allocatable_seven_of_eight_and_back(registry):
     """The acceptance case on the fake node: allocatable 7 of 8 healthy turns the condition True, 8 False."""
-    rules = load_rules([builtin_rules_dir()], registry.fields_by_check())
+    rules = builtin_rules()
     clock = Clock(1_764_000_000.0)
     fake = load_scenario("h100-sxm-8").build(clock=clock)
     host = fake_host(fake, threaded=False)
@@ -321,7 +319,7 @@ def test_through_the_agent_allocatable_seven_of_eight_and_back(registry):
 
 def test_through_the_agent_allocatable_8k_and_a_gpu_lost(registry):
     """The acceptance case of issue 30: allocatable written `8k`, XID 79 on GPU 3: GpuAllocatableMismatch."""
-    rules = load_rules([builtin_rules_dir()], registry.fields_by_check())
+    rules = builtin_rules()
     clock = Clock(1_764_000_000.0)
     fake = load_scenario("h100-sxm-8").build(clock=clock)
     host = fake_host(fake, threaded=False)

@@ -10,16 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from conftest import Clock, diagnose_host, diagnose_scenario, node_for
+from conftest import builtin_rules, Clock, diagnose_host, diagnose_scenario, node_for
 from test_cli import diagnose_json
 from test_daemon_e2e import emulator, fast_settings, running  # noqa: F401 - fixtures
 from detector.backends.system import (HostSystem, SystemInfo, host_system, parse_device_minor,
                                       parse_driver_version, parse_proc_modules)
 from detector.checks.driver import DriverCheck
-from detector.rules.sources import builtin_rules_dir
 from detector.core.types import Observation, Severity
 from detector.rules.engine import RuleEngine
-from detector.rules.loader import load_rules
 from fake_nvml.faults import Fault
 from fake_nvml.host import fake_host
 from fake_nvml.system import fake_system, write_system
@@ -308,7 +306,7 @@ def test_the_fabric_check_now_reads_the_fake_fabric_manager(registry):
 
 @pytest.fixture(scope="module")
 def engine(registry):
-    return RuleEngine(load_rules([builtin_rules_dir()], registry.fields_by_check()))
+    return RuleEngine(builtin_rules())
 
 
 def judge(engine, **fields) -> set[str]:
@@ -363,7 +361,8 @@ def test_daemon_sets_and_clears_the_driver_condition(running):
 
     def status() -> str | None:
         return local.conditions().get("GpuDriverUnhealthy", {}).get("status")
-    assert local.wait_for(lambda: status() == "False", 10), local.conditions()
+    # healthy first: judged, and a problem never seen on the node is not written (issue 34)
+    assert local.wait_for(lambda: local.settled("GpuDriverUnhealthy") and status() is None, 10), local.conditions()
     local.node.inject(Fault("module_unloaded", params={"module": "nvidia_uvm"}))
     assert local.wait_for(lambda: status() == "True", 10)
     condition = local.conditions()["GpuDriverUnhealthy"]

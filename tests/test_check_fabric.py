@@ -9,16 +9,14 @@ from dataclasses import dataclass
 import pynvml
 import pytest
 
-from conftest import Clock, diagnose_host, diagnose_scenario, node_for
+from conftest import builtin_rules, Clock, diagnose_host, diagnose_scenario, node_for
 from test_cli import diagnose_json
 from test_daemon_e2e import emulator, fast_settings, running  # noqa: F401 - fixtures
 from detector.backends.system import SystemInfo
 from detector.checks.fabric import FabricCheck
-from detector.rules.sources import builtin_rules_dir
 from detector.core.sweep import run_sweep
 from detector.core.types import Observation, Severity
 from detector.rules.engine import RuleEngine
-from detector.rules.loader import load_rules
 from fake_nvml.faults import Fault
 from fake_nvml.host import fake_host
 from fake_nvml.pci import write_sysfs
@@ -50,7 +48,7 @@ def fields_of(outcome, scope: str, index: int | None = None) -> dict:
 
 @pytest.fixture(scope="module")
 def engine(registry):
-    return RuleEngine(load_rules([builtin_rules_dir()], registry.fields_by_check()))
+    return RuleEngine(builtin_rules())
 
 
 # ---- scenarios ------------------------------------------------------------------------------
@@ -218,7 +216,8 @@ def test_daemon_sets_and_clears_the_fabric_condition(running):
 
     def status() -> str | None:
         return local.conditions().get("GpuFabricUnhealthy", {}).get("status")
-    assert local.wait_for(lambda: status() == "False", 10), local.conditions()
+    # healthy first: judged, and a problem never seen on the node is not written (issue 34)
+    assert local.wait_for(lambda: local.settled("GpuFabricUnhealthy") and status() is None, 10), local.conditions()
     local.node.inject(Fault("fabric_failed", 3, {"status": pynvml.NVML_ERROR_INSUFFICIENT_RESOURCES}))
     assert local.wait_for(lambda: status() == "True", 10)
     condition = local.conditions()["GpuFabricUnhealthy"]

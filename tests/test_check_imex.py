@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from conftest import REPO, Clock, diagnose_scenario, node_for
+from conftest import builtin_rules, REPO, Clock, diagnose_scenario, node_for
 from detector.backends.imex import (OUTPUT_CAP, CtlOutcome, HostImex, ImexParseError, SubprocessCtl, parse_domain,
                                     parse_local_addresses, parse_nodes_config, parse_query, read_service)
 from detector.checks.imex import COMPUTE_DOMAIN_LABEL, ImexCheck
@@ -17,8 +17,6 @@ from detector.core.nodestatus import NodeStatus
 from detector.core.sweep import run_sweep
 from detector.core.types import Severity
 from detector.rules.engine import RuleEngine
-from detector.rules.loader import load_rules
-from detector.rules.sources import builtin_rules_dir
 from fake_nvml.faults import Fault
 from fake_nvml.host import fake_host
 from fake_nvml.imex import write_imex
@@ -140,7 +138,7 @@ def test_host_reader_finds_the_local_node(tmp_path):
 
 @pytest.fixture(scope="module")
 def engine(registry):
-    return RuleEngine(load_rules([builtin_rules_dir()], registry.fields_by_check()))
+    return RuleEngine(builtin_rules())
 
 
 class Judge:

@@ -10,17 +10,15 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import REPO, Clock, diagnose_host, diagnose_scenario, node_for
+from conftest import builtin_rules, REPO, Clock, diagnose_host, diagnose_scenario, node_for
 from test_cli import diagnose_json, gpu_npd
 from test_daemon_e2e import emulator, fast_settings, running  # noqa: F401 - fixtures
 from detector.backends.infiniband import (IbPort, SysfsInfiniband, counter_max, parse_counter, parse_rate,
                                           parse_state, read_port, sysfs_infiniband)
 from detector.checks.infiniband import InfinibandCheck
-from detector.rules.sources import builtin_rules_dir
 from detector.core.sweep import run_sweep
 from detector.core.types import Observation, Severity
 from detector.rules.engine import RuleEngine
-from detector.rules.loader import load_rules
 from detector.yamlsource import SourceError
 from fake_nvml.faults import Fault
 from fake_nvml.host import fake_host
@@ -237,7 +235,7 @@ def sweeper(scenario: str, registry, settings: dict | None = None):
     node = load_scenario(scenario).build(clock=clock)
     host = fake_host(node, threaded=False)
     check = InfinibandCheck(settings or {})
-    engine = RuleEngine(load_rules([builtin_rules_dir()], registry.fields_by_check()))
+    engine = RuleEngine(builtin_rules())
 
     def sweep(at: float):
         clock.now = at
@@ -334,7 +332,7 @@ def test_no_reader_on_the_host_is_unavailable(registry):
 
 @pytest.fixture(scope="module")
 def engine(registry):
-    return RuleEngine(load_rules([builtin_rules_dir()], registry.fields_by_check()))
+    return RuleEngine(builtin_rules())
 
 
 def judge(engine, **fields) -> set[str]:
@@ -490,7 +488,8 @@ def test_daemon_sets_and_clears_the_port_down_condition(running):  # noqa: F811 
 
     def status() -> str | None:
         return local.conditions().get("InfiniBandPortDown", {}).get("status")
-    assert local.wait_for(lambda: status() == "False", 10), local.conditions()
+    # healthy first: judged, and a problem never seen on the node is not written (issue 34)
+    assert local.wait_for(lambda: local.settled("InfiniBandPortDown") and status() is None, 10), local.conditions()
     local.node.inject(Fault("ib_port_down", params={"device": "mlx5_6"}))
     assert local.wait_for(lambda: status() == "True", 10), local.conditions()
     condition = local.conditions()["InfiniBandPortDown"]

@@ -7,15 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from conftest import Clock, diagnose_host, diagnose_scenario, node_for
+from conftest import builtin_rules, Clock, diagnose_host, diagnose_scenario, node_for
 from test_cli import diagnose_json
 from test_daemon_e2e import emulator, fast_settings, running  # noqa: F401 - fixtures
 from detector.checks.memory import MemoryCheck
-from detector.rules.sources import builtin_rules_dir
 from detector.core.sweep import run_sweep
 from detector.core.types import Observation, Severity
 from detector.rules.engine import RuleEngine
-from detector.rules.loader import load_rules
 from fake_nvml.faults import Fault
 from fake_nvml.host import fake_host
 
@@ -115,7 +113,7 @@ def test_a_rising_uncorrectable_count_is_measured_over_the_window(registry):
     node = node_for("h100-sxm-8")
     host = fake_host(node, threaded=False)
     check = MemoryCheck({"window": 600}, clock=clock)
-    engine = RuleEngine(load_rules([builtin_rules_dir()], registry.fields_by_check()))
+    engine = RuleEngine(builtin_rules())
     first = run_sweep(host, [check])
     assert engine.evaluate(first.observations) == []
     node.inject(Fault("ecc", 5, {"uncorrected": 3}))
@@ -153,7 +151,7 @@ def test_ecc_rising_fault_moves_with_node_time():
 
 @pytest.fixture(scope="module")
 def engine(registry):
-    return RuleEngine(load_rules([builtin_rules_dir()], registry.fields_by_check()))
+    return RuleEngine(builtin_rules())
 
 
 def judge(engine, **fields) -> set[str]:
@@ -208,7 +206,8 @@ def test_daemon_sets_and_clears_the_memory_condition(running):
 
     def status() -> str | None:
         return local.conditions().get("GpuMemoryError", {}).get("status")
-    assert local.wait_for(lambda: status() == "False", 10), local.conditions()
+    # healthy first: judged, and a problem never seen on the node is not written (issue 34)
+    assert local.wait_for(lambda: local.settled("GpuMemoryError") and status() is None, 10), local.conditions()
     local.node.inject(Fault("remap_pending", 4))
     assert local.wait_for(lambda: status() == "True", 10)
     condition = local.conditions()["GpuMemoryError"]

@@ -9,15 +9,13 @@ from typing import Any
 import pynvml
 import pytest
 
-from conftest import Clock, diagnose_host, diagnose_scenario, node_for
+from conftest import builtin_rules, Clock, diagnose_host, diagnose_scenario, node_for
 from test_cli import diagnose_json
 from test_daemon_e2e import emulator, fast_settings, running  # noqa: F401 - fixtures
 from detector.checks.nvlink import NvlinkCheck
-from detector.rules.sources import builtin_rules_dir
 from detector.core.sweep import run_sweep
 from detector.core.types import Observation, Severity
 from detector.rules.engine import RuleEngine
-from detector.rules.loader import load_rules
 from fake_nvml.faults import Fault
 from fake_nvml.host import fake_host
 from fake_nvml.scenario import load_scenario
@@ -34,7 +32,7 @@ def gpu_fields(outcome, index: int) -> dict:
 
 @pytest.fixture(scope="module")
 def engine(registry):
-    return RuleEngine(load_rules([builtin_rules_dir()], registry.fields_by_check()))
+    return RuleEngine(builtin_rules())
 
 
 class Timed:
@@ -363,7 +361,8 @@ def test_daemon_sets_and_clears_the_nvlink_condition(running):
 
     def status() -> str | None:
         return local.conditions().get("GpuNvlinkDown", {}).get("status")
-    assert local.wait_for(lambda: status() == "False", 10), local.conditions()
+    # healthy first: judged, and a problem never seen on the node is not written (issue 34)
+    assert local.wait_for(lambda: local.settled("GpuNvlinkDown") and status() is None, 10), local.conditions()
     local.node.inject(Fault("nvlink_down", 5, {"link": 9}))
     assert local.wait_for(lambda: status() == "True", 10)
     condition = local.conditions()["GpuNvlinkDown"]

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import Clock, diagnose_host
+from conftest import builtin_rules, Clock, diagnose_host
 from detector.agent.metrics import AgentMetrics
 from detector.backends.nvmlcompat import throttle_counter_fields
 from detector.checks.performance import PerformanceCheck
@@ -20,7 +20,6 @@ from detector.core.gpu_health import gpu_health
 from detector.core.sweep import run_sweep
 from detector.core.types import Severity
 from detector.rules.engine import RuleEngine
-from detector.rules.loader import load_rules
 from detector.rules.sources import builtin_rules_dir
 from fake_nvml.faults import Fault
 from fake_nvml.host import fake_host
@@ -41,7 +40,7 @@ def registry() -> CheckRegistry:
 
 @pytest.fixture(scope="module")
 def engine(registry):
-    return RuleEngine(load_rules([builtin_rules_dir()], registry.fields_by_check()))
+    return RuleEngine(builtin_rules())
 
 
 class Watch:

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from conftest import diagnose_host, diagnose_scenario, node_for
+from conftest import builtin_rules, diagnose_host, diagnose_scenario, node_for
 from detector.backends.pci import SysfsPciBus, nvidia_gpus
 from detector.checks.visibility import parse_smi_list
 from detector.core.check import Check, CheckOutput, CheckRegistry
@@ -121,15 +121,13 @@ def test_pcie_width_is_judged_only_while_busy(registry):
 def test_a_gpu_whose_utilization_nvml_cannot_give_is_not_judged(registry):
     """A real A100 in MIG mode prints utilization N/A: busy is unknown (null), and null never matches."""
     from pathlib import Path
-    from detector.rules.sources import builtin_rules_dir
     from detector.rules.engine import RuleEngine
-    from detector.rules.loader import load_rules
     from detector.cli.replay_host import replay_host
     mig = Path(__file__).parent / "fixtures" / "real_machines" / "x-telegraf-a100-sxm4-80gb-mig-535"
     out = diagnose_host(replay_host(mig), registry, checks=["pcie"])
     fields = out.sweep.runs[0].observations[0].fields
     assert (fields["utilization_pct"], fields["busy"]) == (None, None) and out.problems == []
-    engine = RuleEngine(load_rules([builtin_rules_dir()], registry.fields_by_check()))
+    engine = RuleEngine(builtin_rules())
     narrow = {**fields, "current_width": 8, "current_gen": 1}
     assert engine.evaluate([Observation("pcie", narrow, out.sweep.runs[0].observations[0].gpu)]) == []
     assert {p.rule for p in engine.evaluate([Observation("pcie", {**narrow, "busy": True, "utilization_pct": 90},

@@ -10,12 +10,10 @@ import time
 
 import pytest
 
-from conftest import node_for
+from conftest import builtin_rules, node_for
 from detector.agent.agent import AgentSettings, NodeAgent
 from detector.cli.main import main
-from detector.rules.sources import builtin_rules_dir
 from detector.config import build_checks
-from detector.rules.loader import load_rules
 from fake_nvml.faults import Fault
 from fake_nvml.host import fake_host
 
@@ -23,7 +21,7 @@ from fake_nvml.host import fake_host
 def _agent(registry, tmp_path):
     node = node_for("h100-sxm-8")
     node.inject(Fault("xid", 3, {"code": 79}))        # XID 79 (held till reboot) and GPU 3 lost (live)
-    rules = load_rules([builtin_rules_dir()], registry.fields_by_check())
+    rules = builtin_rules()
     checks = build_checks(registry, ["visibility", "xid"], {})
     agent = NodeAgent(fake_host(node, threaded=False), checks, rules,
                       settings=AgentSettings(start_spread_s=0.0, state_dir=tmp_path))

@@ -28,7 +28,8 @@ def test_written_once_where_the_node_has_none():
     api, clock = ScriptedApi(), Clock()
     out = reporter(api, clock)
     out.adopt(api.node)
-    assert out.clique(CLIQUE) and out.update([xid(False)])
+    assert out.clique(CLIQUE) and out.update([xid(True)])     # a condition to carry it (a False one never
+    #                                                            True is not written: issue 34)
     assert out.flush()
     assert patches(api)[0]["metadata"]["labels"] == {CLIQUE_LABEL: CLIQUE}
     assert not out.clique(CLIQUE)                            # on the node now: not sent again

@@ -11,13 +11,10 @@ import subprocess
 import time
 
 import pytest
-
-from detector.rules.sources import builtin_rules_dir
 from detector.cli.simulate import SIMULATOR_USER
 from detector.core.check import CheckRegistry
 from detector.daemon.local import REPO_DEPLOY
 from detector.kube.api import KubeApi
-from detector.rules.loader import load_rules
 from detector.sim.faultlog import FaultLog
 from detector.agent.agent import AgentSettings
 from detector.sim.fleet import Fleet, FleetSettings
@@ -25,6 +22,7 @@ from detector.sim.fleetfile import fleet_from_dict
 from kube_emulator import Emulator
 from kube_emulator.rbac import ADMIN
 from test_deploy_render import require_kubectl
+from conftest import builtin_rules
 
 NODE = "gpu-h100-0007"
 XID79 = '{"kind": "xid", "gpu": 3, "params": {"code": 79}}'
@@ -47,7 +45,7 @@ def drill(tmp_path):
         fleet = Fleet(fleet_from_dict({"version": 1, "seed": 7, "nodes": [
                           {"scenario": "h100-sxm-8", "count": 12, "name": "gpu-h100-{index:04d}"}]}),
                       KubeApi.from_kubeconfig(str(simulator), qps=500.0, burst=500),
-                      load_rules([builtin_rules_dir()], registry.fields_by_check()), registry,
+                      builtin_rules(), registry,
                       FleetSettings(workers=2, start_spread_s=0.0, agent=QUICK_CURES), FaultLog(tmp_path / "faults.jsonl"))
         fleet.start()
         home = tmp_path / "home"
@@ -84,11 +82,13 @@ def columns(kubectl) -> dict[str, list[str]]:
 
 def test_break_a_node_with_kubectl_see_it_and_heal_it(drill):
     kubectl, fleet = drill
-    assert eventually(lambda: columns(kubectl).get(NODE) == ["False", "False"]), "the node reports healthy first"
+    # healthy first: judged, and a problem never seen on a node is not written there (issue 34)
+    assert eventually(lambda: all(n.reporter.settled(["GpuXidError", "GpuMissing"]) for n in fleet.nodes.values())
+                      and columns(kubectl).get(NODE) == ["<none>", "<none>"]), "the node reports healthy first"
 
     assert kubectl("annotate", "node", NODE, f"gpu-npd.io/inject-fault={XID79}").strip() == f"node/{NODE} annotated"
     assert eventually(lambda: columns(kubectl)[NODE] == ["True", "True"]), columns(kubectl)
-    assert all(state == ["False", "False"] for name, state in columns(kubectl).items() if name != NODE)
+    assert all(state == ["<none>", "<none>"] for name, state in columns(kubectl).items() if name != NODE)
 
     described = eventually(lambda: (lambda out: out if "Xid79GpuFellOffBus" in out.split("Events:")[-1] else "")(
         kubectl("describe", "node", NODE)))
@@ -114,4 +114,4 @@ def test_a_bad_annotation_is_an_event_on_the_node_and_changes_nothing(drill):
         kubectl("describe", "node", NODE)))
     assert "needs parameter 'code'" in described.split("Events:")[1].replace("\n", " ")
     assert fleet.fault_log.records() == []
-    assert columns(kubectl)[NODE] == ["False", "False"]
+    assert columns(kubectl)[NODE] == ["<none>", "<none>"]          # never True: not written (issue 34)

@@ -12,14 +12,12 @@ from pathlib import Path
 import pynvml
 import pytest
 
-from conftest import Clock, diagnose_host, node_for
+from conftest import builtin_rules, Clock, diagnose_host, node_for
 from detector.backends.fabric_health import CONFIGURATIONS, HEALTHY, FabricHealth, decode, encode
 from detector.checks.fabric import FabricCheck
 from detector.core.sweep import run_sweep
 from detector.core.types import Severity
 from detector.rules.engine import RuleEngine
-from detector.rules.loader import load_rules
-from detector.rules.sources import builtin_rules_dir
 from fake_nvml.faults import Fault
 from fake_nvml.host import fake_host
 from detector.cli.replay_host import replay_host
@@ -67,7 +65,7 @@ XML_TAGS = {"Summary": "summary", "Bandwidth": "bandwidth", "Route Recovery in p
 
 @pytest.fixture(scope="module")
 def engine(registry):
-    return RuleEngine(load_rules([builtin_rules_dir()], registry.fields_by_check()))
+    return RuleEngine(builtin_rules())
 
 
 def named(outcome) -> set[tuple[str, str]]:

@@ -16,6 +16,7 @@ from fake_nvml.host import fake_host
 from fake_nvml.kmsg import FakeKmsgDevice
 from fake_nvml.node import FakeNode, TimedFault
 from fake_nvml.scenario import load_scenario
+from conftest import builtin_rules
 
 XID = "NVRM: Xid (PCI:0000:5d:00): 79, pid='<unknown>', name=<unknown>, GPU has fallen off the bus."
 REBOOT = Fault("reboot")
@@ -209,15 +210,13 @@ def test_kmsg_reader_and_a_rebooting_node_in_two_threads():
 def _agent_on(node: FakeNode, names: list[str], state_dir=None):
     from conftest import Clock as ManualClock
     from detector.agent.agent import AgentSettings, NodeAgent
-    from detector.rules.sources import builtin_rules_dir
     from detector.config import build_checks
     from detector.core.check import CheckRegistry
-    from detector.rules.loader import load_rules
     from fake_nvml.host import fake_host
 
     registry = CheckRegistry.from_entry_points()
     checks = {c.name: c for c in build_checks(registry, names, {})}
-    rules = load_rules([builtin_rules_dir()], registry.fields_by_check())
+    rules = builtin_rules()
     host = fake_host(node, threaded=False)
     agent = NodeAgent(host, list(checks.values()), rules,
                       settings=AgentSettings(start_spread_s=0.0, state_dir=state_dir), clock=ManualClock())

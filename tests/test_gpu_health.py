@@ -3,7 +3,7 @@ the core and in the daemon's metrics (gpu_npd_gpu_health)."""
 
 from __future__ import annotations
 
-from conftest import Clock, node_for
+from conftest import builtin_rules, Clock, node_for
 from detector.agent.agent import AgentSettings, NodeAgent
 from detector.agent.metrics import AgentMetrics
 from detector.rules.sources import builtin_rules_dir
@@ -161,7 +161,7 @@ def test_the_agent_gives_each_unhealthy_gpu_its_serial_and_a_since_that_does_not
     clock = Clock(1000.0)
     node = node_for("h100-sxm-8")
     host = fake_host(node)
-    ruleset = load_rules([builtin_rules_dir()], registry.fields_by_check())
+    ruleset = builtin_rules()
     agent = NodeAgent(host, build_checks(registry, ["visibility", "xid"], {}), ruleset, clock=clock,
                       settings=AgentSettings(start_spread_s=0.0))
     agent.run(agent.checks)

@@ -8,14 +8,13 @@ from dataclasses import replace
 import pytest
 
 from detector.agent.agent import AgentSettings, AgentSink, NodeAgent
-from detector.rules.sources import builtin_rules_dir
 from detector.config import build_checks
 from detector.core.nodestatus import NodeCondition, NodeStatus
-from detector.rules.loader import load_rules
 from fake_nvml.faults import Fault
 from fake_nvml.host import fake_host
 from fake_nvml.scenario import load_scenario
 from tests.conftest import Clock
+from conftest import builtin_rules
 
 CHECKS = ["visibility", "xid", "driver", "pcie", "node", "readiness"]
 HOUR = 3600.0
@@ -23,7 +22,7 @@ HOUR = 3600.0
 
 @pytest.fixture(scope="module")
 def rules(registry):
-    return load_rules([builtin_rules_dir()], registry.fields_by_check())
+    return builtin_rules()
 
 
 class Events(AgentSink):

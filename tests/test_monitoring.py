@@ -27,13 +27,11 @@ import yaml
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import REPO
+from conftest import builtin_rules, REPO
 from detector.agent.metrics import AgentMetrics
-from detector.rules.sources import builtin_rules_dir
 from detector.core.check import CheckRegistry
 from detector.daemon.local import REPO_DEPLOY, local_daemon
 from detector.daemon.run import DaemonSettings
-from detector.rules.loader import load_rules
 from fake_nvml.faults import Fault
 from kube_emulator import Emulator
 from test_deploy_render import offline_env, require_kubectl
@@ -416,7 +414,7 @@ def test_process_metrics_come_from_the_agent_s_own_registry():
 
 def condition_rules() -> list:
     registry = CheckRegistry.from_entry_points()
-    return [r for r in load_rules([builtin_rules_dir()], registry.fields_by_check()).rules if r.report == "condition"]
+    return [r for r in builtin_rules().rules if r.report == "condition"]
 
 
 def test_critical_condition_alert_selects_exactly_the_critical_conditions():

@@ -9,17 +9,15 @@ import time
 
 import pytest
 
-from conftest import REPO, Clock, diagnose_host, node_for
+from conftest import builtin_rules, REPO, Clock, diagnose_host, node_for
 from detector.agent.agent import AgentSettings, NodeAgent
 from detector.agent.metrics import AgentMetrics
 from detector.checks.nccl import NcclCheck
 from detector.checks.nccl.probe import ProbeRequest, ProbeResult
 from detector.checks.nccl.size import parse_size, show_size
 from detector.cli.main import main
-from detector.rules.sources import builtin_rules_dir
 from detector.config import build_checks
 from detector.core.sweep import run_sweep
-from detector.rules.loader import load_rules
 from fake_nvml.faults import Fault
 from fake_nvml.host import fake_host
 from fake_nvml.nccl import FakeNcclProbe
@@ -200,7 +198,7 @@ def test_sizes_read_and_print_like_nccl_tests():
 # -- in a node agent: its own lane, skipped runs judge nothing, metrics ------------------------------
 
 def agent_for(registry, node, sinks=(), **nccl):
-    rules = load_rules([builtin_rules_dir()], registry.fields_by_check())
+    rules = builtin_rules()
     checks = build_checks(registry, ["xid", "nccl"], {"nccl": nccl})
     return NodeAgent(fake_host(node, threaded=False), checks, rules, sinks,
                      AgentSettings(start_spread_s=0.0), clock=Clock())
@@ -333,7 +331,7 @@ def test_a_node_with_the_probe_off_exports_no_nccl_metrics(registry):
     from prometheus_client import generate_latest
 
     metrics = AgentMetrics()
-    rules = load_rules([builtin_rules_dir()], registry.fields_by_check())
+    rules = builtin_rules()
     checks = build_checks(registry, None, {})                     # every enabled check: the probe is opt-in
     assert "nccl" not in {c.name for c in checks}
     agent = NodeAgent(fake_host(node_for("h100-sxm-8"), threaded=False), checks, rules, [metrics],

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import Clock
+from conftest import builtin_rules, Clock
 from detector.agent.agent import AgentSettings, NodeAgent
 from detector.agent.metrics import AgentMetrics
 from detector.checks.node import NodeStateCheck, span
@@ -29,7 +29,7 @@ DEFAULT_CHECKS = ["visibility", "xid", "node"]
 
 @pytest.fixture
 def rules(registry):
-    return load_rules([builtin_rules_dir()], registry.fields_by_check())
+    return builtin_rules()
 
 
 class Boots:

@@ -11,15 +11,13 @@ import time
 import pynvml
 import pytest
 
-from conftest import Clock
+from conftest import builtin_rules, Clock
 from detector.agent.metrics import AgentMetrics
 from detector.agent.oneshot import diagnose_once
 from detector.backends.nvml_timing import CallTimes, TimedNvml
 from detector.checks.latency import GpuLatency, LatencyWindow, Timed, latency_fields, node_fields
 from detector.checks.visibility import VisibilityCheck
 from detector.config import build_checks
-from detector.rules.loader import load_rules
-from detector.rules.sources import builtin_rules_dir
 from fake_nvml.faults import Fault
 from fake_nvml.host import fake_host
 from fake_nvml.nvml import FakeNvml
@@ -265,7 +263,7 @@ def test_the_window_is_bounded_in_samples_per_gpu():
 
 @pytest.fixture(scope="module")
 def rules(registry):
-    return load_rules([builtin_rules_dir()], registry.fields_by_check())
+    return builtin_rules()
 
 
 def watch(scenario: str, registry, rules, sweeps: int = 3, step: float = 60.0, inject=()):

@@ -21,9 +21,7 @@ from typing import Any, Callable
 import pytest
 import yaml
 
-from conftest import REPO
-from detector.rules.sources import builtin_rules_dir
-from detector.rules.loader import load_rules
+from conftest import builtin_rules, REPO
 from test_deploy_render import (  # noqa: F401  (kubectl and no_network are fixtures)
     CPU_NODE, GFD_ONLY_NODE, GPU_OPERATOR_NODE, KWOK_GPU_NODE, NFD_ONLY_NODE, kubectl, no_network, node, one,
     pod_may_run_on, pod_spec, render, selector_matches, simulator_kwok_node, variant,
@@ -262,7 +260,7 @@ def test_rule_gates_on_gpu_npd_s_verdict_in_problem_polarity(rule):
 def test_rule_conditions_are_ones_gpu_npd_s_rules_report(rule, registry):
     """Read through detector.rules.loader: a condition no rule file produces would keep every gated node
     tainted for good (an absent condition is Unknown, never False)."""
-    reported = load_rules([builtin_rules_dir()], registry.fields_by_check()).types()
+    reported = builtin_rules().types()
     wanted = {c["type"] for c in rule["spec"]["conditions"]}
     assert wanted <= reported, f"no rule in rules/ reports {sorted(wanted - reported)}"
 

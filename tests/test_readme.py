@@ -40,6 +40,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import builtin_rules
+
 REPO = Path(__file__).resolve().parent.parent
 REPLAYED = REPO / "tests" / "fixtures" / "real_machines" / "h100-vm-580"
 README = REPO / "README.md"
@@ -182,8 +184,8 @@ RUN: dict[str, Spec] = {
     "gpu-npd emulator --deploy-dir deploy": Spec(background=EMULATOR_URL, expect=r"RBAC from deploy/base$"),
     "gpu-npd emulator --rbac deploy/base --rbac deploy/kwok": Spec(
         background=EMULATOR_URL, expect=r"RBAC from deploy/base, deploy/kwok$"),
-    "gpu-npd simulate --fleet fleet.yaml --emulator --duration 300": Spec(
-        append="--listen 127.0.0.1:{sim_port}", background=r"nodes starting over",
+    "gpu-npd simulate --fleet fleet.yaml --emulator --kubeconfig-out drill.kubeconfig --duration 300": Spec(
+        append="--listen 127.0.0.1:{sim_port}", background=r"nodes starting over", creates="drill.kubeconfig",
         why="fleet.yaml is docs/simulation.md's fleet file; a free port instead of 9809 (which the curl commands "
             "below use); stopped with SIGTERM once its nodes are up, instead of after 300 s"),
     'curl -X POST localhost:9809/faults -d \'{"node": "gpu-h100-0007", "kind": "xid", "gpu": 1, '
@@ -196,6 +198,7 @@ RUN: dict[str, Spec] = {
     ".venv/bin/python bench/latency.py": Spec(append="-n 3", why=SCALED),
     ".venv/bin/python bench/footprint.py": Spec(append="--duration 1 --settle 1", why=SCALED),
     ".venv/bin/python bench/node_watch.py": Spec(append="--hour-s 2 --settle 360", why=SCALED),
+    ".venv/bin/python bench/node_weight.py": Spec(append="--hour-s 2", why=SCALED, timeout=90),
     ".venv/bin/python bench/fleet.py": Spec(
         append="--nodes 10 --start-spread 1 --settle 1 --steady 1 --fault-timeout 60", why=SCALED, timeout=120),
     ".venv/bin/python bench/fleet.py --nodes 30000 --shards 4": Spec(
@@ -776,10 +779,8 @@ if __name__ == "__main__":               # rewrite docs/checks.md's check-settin
 def test_remediation_table_names_every_condition_type(registry):
     """docs/remediation.md's table of what each condition asks of whom covers every condition type the bundled
     rules can set, and names none they cannot."""
-    from detector.rules.sources import builtin_rules_dir
-    from detector.rules.loader import load_rules
 
     text = REMEDIATION_PAGE.read_text(encoding="utf-8")
     table = text.split("<!-- remediation-table -->", 1)[1].split("<!-- /remediation-table -->", 1)[0]
     named = {t for line in table.splitlines()[2:] for t in re.findall(r"`([A-Z][A-Za-z]+)`", line.split("|")[1])}
-    assert named == load_rules([builtin_rules_dir()], registry.fields_by_check()).types()
+    assert named == builtin_rules().types()

@@ -8,16 +8,14 @@ import os
 import time
 
 import pytest
-
-from detector.rules.sources import builtin_rules_dir
 from detector.config import build_checks
 from detector.core.check import CheckRegistry
 from detector.daemon.run import Daemon, DaemonSettings
 from detector.kube.api import KubeApi
-from detector.rules.loader import load_rules
 from fake_nvml.faults import Fault
 from fake_nvml.host import fake_host
 from fake_nvml.scenario import load_scenario
+from conftest import builtin_rules
 
 KUBECONFIG = os.environ.get("GPU_NPD_E2E_KUBECONFIG")
 pytestmark = pytest.mark.skipif(not KUBECONFIG, reason="set GPU_NPD_E2E_KUBECONFIG to run against a real cluster")
@@ -38,7 +36,7 @@ def test_xid_condition_appears_and_clears_on_a_real_node():
     settings = DaemonSettings(listen="127.0.0.1:0")
     settings.agent.start_spread_s = 0.0
     daemon = Daemon(fake_host(node), build_checks(registry, None, {"visibility": {"interval": 1}}),
-                    load_rules([builtin_rules_dir()], registry.fields_by_check()),
+                    builtin_rules(),
                     KubeApi.from_kubeconfig(KUBECONFIG), settings)
     import threading
     thread = threading.Thread(target=daemon.run, daemon=True)

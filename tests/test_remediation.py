@@ -23,9 +23,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from conftest import REPO
-from detector.rules.sources import builtin_rules_dir
-from detector.rules.loader import RuleSet, load_rules
+from conftest import builtin_rules, REPO
+from detector.rules.loader import RuleSet
 from test_deploy_render import (  # noqa: F401  (kubectl and no_network are fixtures)
     CPU_NODE, GFD_ONLY_NODE, GPU_OPERATOR_NODE, K8S_VERSIONS, KWOK_GPU_NODE, NFD_ONLY_NODE, baseline_violations,
     kubectl, no_network, node, pod_may_run_on, pod_spec, render, selector_matches, simulator_kwok_node,
@@ -84,7 +83,7 @@ def test_go_duration_parser():
 
 @pytest.fixture(scope="module")
 def ruleset(registry) -> RuleSet:
-    return load_rules([builtin_rules_dir()], registry.fields_by_check())
+    return builtin_rules()
 
 
 @pytest.fixture(scope="module")

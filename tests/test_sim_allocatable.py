@@ -8,13 +8,10 @@ from __future__ import annotations
 import json
 
 import pytest
-
-from detector.rules.sources import builtin_rules_dir
 from detector.cli.simulate import SIMULATOR_USER
 from detector.core.check import CheckRegistry
 from detector.daemon.local import REPO_DEPLOY
 from detector.kube.api import KubeApi
-from detector.rules.loader import load_rules
 from detector.sim.annotations import INJECT_ANNOTATION
 from detector.sim.faultlog import FaultLog
 from detector.sim.fleet import Fleet, FleetSettings
@@ -22,6 +19,7 @@ from detector.sim.fleetfile import fleet_from_dict
 from kube_emulator import Emulator
 from kube_emulator.rbac import ADMIN
 from test_sim_fleet import wait_for
+from conftest import builtin_rules
 
 FLEET = {"version": 1, "seed": 7, "checks": {"allocatable": {"settle": 0}},
          "nodes": [{"scenario": "h100-sxm-8", "count": 2, "name": "dp-{index}"}]}
@@ -36,7 +34,7 @@ def fleet(tmp_path):
                                       qps=500.0, burst=500)
         admin = KubeApi.from_kubeconfig(str(emulator.write_kubeconfig(tmp_path / "admin", user=ADMIN)))
         registry = CheckRegistry.from_entry_points()
-        fleet = Fleet(fleet_from_dict(FLEET), sim, load_rules([builtin_rules_dir()], registry.fields_by_check()),
+        fleet = Fleet(fleet_from_dict(FLEET), sim, builtin_rules(),
                       registry, FleetSettings(workers=2, start_spread_s=0.0), FaultLog(tmp_path / "faults.jsonl"))
         fleet.start()
         try:
@@ -59,7 +57,9 @@ def gpus(emulator: Emulator, name: str) -> tuple[str, str]:
 
 def test_a_stale_device_plugin_on_a_lost_gpu_turns_the_mismatch_true_and_heals(fleet):
     fleet, emulator, admin = fleet
-    assert wait_for(lambda: (mismatch(emulator, "dp-0") or ("",))[0] == "False")
+    # healthy first: judged, and a problem never seen on the node is not written (issue 34)
+    assert wait_for(lambda: fleet.nodes["dp-0"].reporter.settled(["GpuAllocatableMismatch"])
+                    and mismatch(emulator, "dp-0") is None)
     assert gpus(emulator, "dp-0") == ("8", "8")
     admin.patch_node_annotations("dp-0", {INJECT_ANNOTATION: STALE_AND_LOST})       # kubectl annotate
     assert wait_for(lambda: (mismatch(emulator, "dp-0") or ("",))[0] == "True")

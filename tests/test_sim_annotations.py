@@ -7,13 +7,10 @@ from __future__ import annotations
 import json
 
 import pytest
-
-from detector.rules.sources import builtin_rules_dir
 from detector.cli.simulate import SIMULATOR_USER
 from detector.core.check import CheckRegistry
 from detector.daemon.local import REPO_DEPLOY
 from detector.kube.api import KubeApi
-from detector.rules.loader import load_rules
 from detector.sim.annotations import (INJECT_ANNOTATION, STATUS_ANNOTATION, AnnotationError, parse_faults, plan)
 from detector.sim.faultlog import FaultLog
 from detector.agent.agent import AgentSettings
@@ -22,6 +19,7 @@ from detector.sim.fleetfile import fleet_from_dict
 from fake_nvml.faults import Fault
 from kube_emulator import Emulator
 from test_sim_fleet import wait_for
+from conftest import builtin_rules
 
 XID79 = '{"kind": "xid", "gpu": 3, "params": {"code": 79}}'
 
@@ -101,7 +99,7 @@ def drill(tmp_path):
         kubeconfig = emulator.write_kubeconfig(tmp_path / "sim.kubeconfig", user=SIMULATOR_USER)
         api = KubeApi.from_kubeconfig(str(kubeconfig), qps=500.0, burst=500)
         registry = CheckRegistry.from_entry_points()
-        ruleset = load_rules([builtin_rules_dir()], registry.fields_by_check())
+        ruleset = builtin_rules()
         fleet = Fleet(fleet_from_dict(FLEET), api, ruleset, registry,
                       FleetSettings(workers=2, start_spread_s=0.0, watch_annotations=False,
                                     agent=QUICK_CURES),
@@ -208,7 +206,7 @@ def test_two_shards_create_their_own_nodes_and_act_only_on_their_own_annotations
     with Emulator(rbac_paths=(REPO_DEPLOY, REPO_DEPLOY.parent / "kwok")) as emulator:
         kubeconfig = emulator.write_kubeconfig(tmp_path / "sim.kubeconfig", user=SIMULATOR_USER)
         registry = CheckRegistry.from_entry_points()
-        ruleset = load_rules([builtin_rules_dir()], registry.fields_by_check())
+        ruleset = builtin_rules()
         fleets = [Fleet(fleet_from_dict(data), KubeApi.from_kubeconfig(str(kubeconfig), qps=500.0, burst=500),
                         ruleset, registry, FleetSettings(workers=2, start_spread_s=0.0, watch_annotations=False,
                                                          shard=k, shards=2),
@@ -249,7 +247,7 @@ def test_the_fleets_own_watch_delivers_the_annotation_and_its_removal(tmp_path):
         admin = KubeApi.from_kubeconfig(str(emulator.write_kubeconfig(tmp_path / "admin.kubeconfig", user="admin")))
         registry = CheckRegistry.from_entry_points()
         fleet = Fleet(fleet_from_dict(data), KubeApi.from_kubeconfig(str(kubeconfig), qps=500.0, burst=500),
-                      load_rules([builtin_rules_dir()], registry.fields_by_check()), registry,
+                      builtin_rules(), registry,
                       FleetSettings(workers=2, start_spread_s=0.0, watch_timeout_s=5, agent=QUICK_CURES),
                       FaultLog(None))
         fleet.start()

@@ -13,13 +13,11 @@ import urllib.request
 
 import pytest
 
-from conftest import REPO
-from detector.rules.sources import builtin_rules_dir
+from conftest import builtin_rules, REPO
 from detector.cli.simulate import SIMULATOR_USER, _inject
 from detector.core.check import CheckRegistry
 from detector.daemon.local import REPO_DEPLOY
 from detector.kube.api import KubeApi
-from detector.rules.loader import load_rules
 from detector.sim.faultlog import FaultLog
 from detector.sim.fleet import KWOK_ANNOTATION, Fleet, FleetSettings, fleet_check_defaults
 from detector.sim.fleetfile import fleet_from_dict
@@ -60,7 +58,7 @@ def fleet_on(emulator, tmp_path):
         kubeconfig = emulator.write_kubeconfig(tmp_path / "sim.kubeconfig", user=SIMULATOR_USER)
         api = KubeApi.from_kubeconfig(str(kubeconfig), qps=500.0, burst=500, pool_size=4)
         registry = CheckRegistry.from_entry_points()
-        ruleset = load_rules([builtin_rules_dir()], registry.fields_by_check())
+        ruleset = builtin_rules()
         fleet = Fleet(fleet_from_dict(data), api, ruleset, registry,
                       FleetSettings(workers=4, start_spread_s=settings.get("start_spread_s", 1.0)),
                       FaultLog(tmp_path / "faults.jsonl"))
@@ -116,7 +114,8 @@ def test_fifty_nodes_show_exactly_the_faults_injected(emulator, fleet_on):
         conditions = node["status"]["conditions"]
         types = [c["type"] for c in conditions]
         assert len(types) == len(set(types)), node["metadata"]["name"]            # no duplicate condition
-        assert {"GpuXidError", "GpuMissing", "GpuPcieDegraded"} <= set(types)     # every node judged
+        # every node judged (a problem never seen on a node is not written there: issue 34)
+        assert fleet.nodes[node["metadata"]["name"]].reporter.settled(["GpuXidError", "GpuMissing", "GpuPcieDegraded"])
         assert node["metadata"]["annotations"][KWOK_ANNOTATION] == "fake"
         assert node["metadata"]["labels"]["type"] == "kwok"
     xid = next(c for c in emulator.node("sim-h100-0007")["status"]["conditions"] if c["type"] == "GpuXidError")
@@ -126,8 +125,7 @@ def test_fifty_nodes_show_exactly_the_faults_injected(emulator, fleet_on):
 
 def test_faults_by_command_are_logged_and_shown(emulator, fleet_on):
     fleet = fleet_on({"version": 1, "nodes": [{"scenario": "h100-sxm-8", "count": 3, "name": "cmd-{index}"}]})
-    assert wait_for(lambda: all("GpuXidError" in {c["type"] for c in n["status"].get("conditions", [])}
-                                for n in emulator.nodes()))
+    assert wait_for(lambda: all(node.reporter.settled(["GpuXidError"]) for node in fleet.nodes.values()))   # judged
     code, body, _ = _inject(fleet, json.dumps({"node": "cmd-1", "kind": "xid", "gpu": 2,
                                                "params": {"code": 79}}).encode())
     assert code == 200 and json.loads(body)["source"] == "command"
@@ -149,7 +147,7 @@ def test_adopting_existing_kwok_nodes(emulator, tmp_path):
                                    "faults": [{"at": 0.5, "node": "h100-sxm-8-0001", "kind": "pcie", "gpu": 0,
                                                "width": 8}]}),
                   KubeApi.from_kubeconfig(str(kubeconfig), qps=100, burst=100),
-                  load_rules([builtin_rules_dir()], registry.fields_by_check()), registry,
+                  builtin_rules(), registry,
                   FleetSettings(workers=2, start_spread_s=0.0, create_nodes=False, adopt_selector="type=kwok"))
     fleet.start()
     try:
@@ -170,7 +168,7 @@ def test_fleet_nodes_poll_slowly_and_a_fleet_file_overrides_one_setting_at_a_tim
                                    "checks": {"visibility": {"timeout": 5}, "pcie": {"interval": 30}}},
                                   registry=registry),
                   KubeApi.from_kubeconfig(str(kubeconfig), qps=100, burst=100),
-                  load_rules([builtin_rules_dir()], registry.fields_by_check()), registry, FleetSettings(workers=1))
+                  builtin_rules(), registry, FleetSettings(workers=1))
     fleet.start()
     try:
         [node] = fleet.nodes.values()

@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import pytest
 
-from conftest import node_for
+from conftest import builtin_rules, node_for
 from detector.agent.active import PROBLEMS_LIMIT, ActiveProblems, Latch, Verifying
 from detector.agent.agent import (CLEAR_FILE, PROBLEMS_FILE, AgentSettings, NodeAgent, write_clear_request,
                                   write_json)
@@ -26,8 +26,6 @@ from detector.checks.node.history import (HISTORY_FILE, HISTORY_LIMIT, MAX_BOOTS
 from detector.cli.main import main
 from detector.config import build_checks
 from detector.core.types import GpuRef, Problem, Severity
-from detector.rules.loader import load_rules
-from detector.rules.sources import builtin_rules_dir
 from fake_nvml.faults import Fault
 from fake_nvml.host import fake_host
 from fake_nvml.kmsg import FakeKmsgDevice
@@ -65,7 +63,7 @@ def moved_aside(path: Path) -> list[Path]:
 
 @pytest.fixture
 def rules(registry):
-    return load_rules([builtin_rules_dir()], registry.fields_by_check())
+    return builtin_rules()
 
 
 def agent_on(registry, rules, state_dir: Path, checks: tuple[str, ...] = ("visibility", "xid", "node"),

@@ -7,7 +7,7 @@ import subprocess
 import sys
 import time
 
-from conftest import REPO, diagnose_host, node_for
+from conftest import builtin_rules, REPO, diagnose_host, node_for
 from detector.checks.xid import XidCheck
 from detector.core.sweep import run_sweep
 from fake_nvml.faults import Fault
@@ -262,14 +262,12 @@ def test_an_xid_after_a_quick_reboot_is_a_new_one_not_a_duplicate_of_the_last_bo
     a reboot: a fake node the simulator reboots under a running agent, with the same XID 79 back within
     seconds, must show it again in every boot (it did not: only the first boot's was reported)."""
     from detector.agent.agent import AgentSettings, NodeAgent
-    from detector.rules.sources import builtin_rules_dir
     from detector.config import build_checks
-    from detector.rules.loader import load_rules
 
     node = node_for("h100-sxm-8")
     checks = build_checks(registry, ["visibility", "xid"], {})
     agent = NodeAgent(fake_host(node, threaded=False), checks,
-                      load_rules([builtin_rules_dir()], registry.fields_by_check()),
+                      builtin_rules(),
                       settings=AgentSettings(start_spread_s=0.0))
     agent.run(agent.checks)
     for boot in range(3):

@@ -13,13 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from conftest import diagnose_host, node_for
+from conftest import builtin_rules, diagnose_host, node_for
 from detector.checks.xid import XidCheck
 from detector.cli.main import main
-from detector.rules.sources import builtin_rules_dir
 from detector.core.sweep import run_sweep
 from detector.rules.engine import RuleEngine
-from detector.rules.loader import load_rules
 from fake_nvml.faults import Fault
 from fake_nvml.host import fake_host
 
@@ -175,7 +173,7 @@ def test_live_two_processes_faulting_close_together_are_two_incidents(registry):
         assert [(o.fields["pid"], o.fields["source"], o.fields["incidents"]) for o in obs] == \
                [(571, "both", 1), (599, "both", 1)]
         # Read in one sweep, they are still two events (one Problem each), not one naming both.
-        engine = RuleEngine(load_rules([builtin_rules_dir()], registry.fields_by_check()))
+        engine = RuleEngine(builtin_rules())
         events = [p for p in engine.evaluate(obs) if p.rule == "xid-13"]
         assert [("pid 571" in p.message, "pid 599" in p.message) for p in events] == [(True, False), (False, True)]
     finally:

@@ -211,6 +211,8 @@ def parse(sub: str, line: str) -> Example:
     example.serves = not plugin and bool(args) and args[0] in SERVERS
     if args[:1] == ["simulate"] and "--listen" not in args:
         example.argv += ["--listen", "127.0.0.1:0"]     # not 9809: other tests and drills use it
+    if args[:1] == ["clear"] and "--wait" not in args:
+        example.argv += ["--wait", "1"]     # no daemon runs here to answer: its 15 s default would add nothing
     return example
 
 

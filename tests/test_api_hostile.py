@@ -420,12 +420,18 @@ def test_a_flapping_label_is_judged_a_few_times_not_hundreds(emulator, hostile, 
     try:
         assert local.wait_for(lambda: local.daemon.node_watch.current() is not None, 10.0)
         changes_before = local.daemon.node_watch.changes
+        began = time.monotonic()
         for i in range(200):
             emulator.store.update(*_label_patch(emulator, i))
             time.sleep(0.005)
         assert local.wait_for(lambda: local.daemon.node_watch.changes - changes_before >= 100, 10.0)
+        flapped_s = time.monotonic() - began
         time.sleep(0.5)
-        assert 1 <= len(kicks) <= 3
+        # judged when the burst pauses for 0.2 s, and at most every 2 s while it goes on (docs/daemon.md): on an
+        # idle machine 1-3 times; a loaded one delivers the burst with pauses, each judged once, never more
+        changes = local.daemon.node_watch.changes - changes_before
+        assert 1 <= len(kicks) <= 2 + int(flapped_s / 0.2) and len(kicks) * 10 <= changes, \
+            (len(kicks), changes, flapped_s)
     finally:
         local.stop()
 

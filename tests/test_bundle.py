@@ -15,12 +15,13 @@ from fake_nvml.scenario import bundled_scenarios
 
 # What one snapshot cannot show, and why. Each is a real limit of a capture, not of the bundle's writing.
 NOT_IN_A_SNAPSHOT = {
-    # A GPU NVML cannot open is not in nvidia-smi -q; the replay's PCI bus is the capture's GPUs, so a GPU on
-    # the bus that NVML lost is not there to be missed (the XID in kernel.log still fires: see below).
-    "h100-sxm-8-xid79": "GPU off the bus: absent from nvidia-smi -q",
-    "h100-sxm-8-device-plugin-stale": "GPU off the bus: absent from nvidia-smi -q",
-    "h100-sxm-8-gpu-missing": "GPU on the PCI bus that NVML does not list: no PCI listing in a capture",
-    "h100-sxm-8-init-failed": "GPU on the PCI bus that NVML does not list: no PCI listing in a capture",
+    # A GPU NVML counts but cannot open (off the bus) is not in nvidia-smi -q: the replay sees it on the bus
+    # (lspci.txt) and NVML without it, so it names it gpu-not-visible-to-nvml, not gpu-fell-off-bus (which
+    # needs NVML's own GPU_IS_LOST answer); the XID in kernel.log still fires (see below). A GPU NVML never
+    # listed (gpu-missing, init-failed) replays the same.
+    "h100-sxm-8-xid79": "GPU off the bus: NVML's GPU_IS_LOST is not in nvidia-smi -q (seen as not visible)",
+    "h100-sxm-8-device-plugin-stale": "GPU off the bus: NVML's GPU_IS_LOST is not in nvidia-smi -q (seen as "
+                                      "not visible)",
     # No NVML, no nvidia-smi -q: the bundle holds the verdict and the kernel log, but no capture to replay.
     "h100-sxm-8-no-driver": "no driver: nvidia-smi -q prints nothing to replay",
     "h100-sxm-8-driver-mismatch": "nvidia-smi cannot initialise NVML (version mismatch): nothing to replay",

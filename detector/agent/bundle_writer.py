@@ -227,7 +227,7 @@ def write_bundle(host: Host, checks: Sequence[Check], ruleset: Any, out: Path, o
     """Gather and write the bundle into `out` (prepare_folder first). `checks` and `ruleset` judge it as
     diagnose does, over `kernel_lines` (the kernel log kept) and the host's NVML, recorded as it answers."""
     from detector.agent.oneshot import diagnose_once
-    from detector.backends.replay.side_files import DEV, MODULES, NVLINK, VERSION
+    from detector.backends.replay.side_files import DEV, LSPCI, MODULES, NVLINK, VERSION
 
     manifest = Manifest(created=datetime.now(timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z"),
                         node=host.node_name, boot_id=host.current_boot(), reason=options.reason,
@@ -270,6 +270,9 @@ def write_bundle(host: Host, checks: Sequence[Check], ruleset: Any, out: Path, o
             writer.write(VERSION, f"NVRM version: NVIDIA {kind}  {system.kernel_module_version}\n", redacted=False)
         if system.device_files is not None:
             writer.write(DEV, "".join(f"/dev/{n}\n" for n in sorted(system.device_files)), redacted=False)
+    listing = _lspci(host)
+    if listing is not None:
+        writer.write(LSPCI, listing, redacted=False)
     bus_ids = {g.index: g.pci_bus_id for g in sweep.inventory.gpus if g.index is not None}
     writer.write(RECORDING, json.dumps(recorder.to_json(bus_ids)) + "\n", redacted=False)
     if options.history is not None:
@@ -284,6 +287,22 @@ def write_bundle(host: Host, checks: Sequence[Check], ruleset: Any, out: Path, o
         manifest.notes.append("kernel.log: no kernel log readable here")
     (out / "manifest.json").write_text(json.dumps(manifest.to_dict(), indent=2) + "\n")
     return manifest
+
+
+def _lspci(host: Host) -> str | None:
+    """The node's NVIDIA devices as `lspci -Dnk` prints them (bus id, class, ids, the driver bound): the PCI
+    bus a replay reads, where a GPU NVML lost still is. None when the bus cannot be read (a replay of a
+    capture without one)."""
+    from detector.backends.pci import NVIDIA_VENDOR
+
+    if getattr(host, "replay", None) and getattr(host.pci, "listed", None) is None:
+        return None                       # a replayed capture's bus is its GPUs: nothing new to say
+    try:
+        devices = [d for d in host.pci.devices() if d.vendor == NVIDIA_VENDOR]
+    except OSError:
+        return None
+    return "".join(f"{d.bus_id} {d.class_code >> 8:04x}: {d.vendor:04x}:{d.device:04x}\n"
+                   + (f"\tKernel driver in use: {d.driver}\n" if d.driver else "") for d in devices)
 
 
 def _failed(outcome: Any) -> str:

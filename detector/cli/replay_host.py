@@ -4,7 +4,7 @@ nvidia-smi -L listing, the driver plumbing from the side files, no kernel log an
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +18,7 @@ from detector.backends.replay.load import load_snapshot
 from detector.backends.replay.nvml import ReplayNvml
 from detector.backends.replay.raw import SnapshotError
 from detector.backends.replay.recording import RECORDING, RecordedNvml, read_recording
-from detector.backends.replay.side_files import SideFiles, read_side_files
+from detector.backends.replay.side_files import PciListed, SideFiles, read_side_files
 from detector.backends.replay.snapshot import GpuSnapshot, Snapshot
 
 HELD = "one snapshot: counters and reasons as held at capture"
@@ -28,14 +28,20 @@ _GPU_CLASS = 0x0302          # 3D controller: what a datacenter GPU reports wher
 
 
 class ReplayPciBus:
-    """The snapshot's GPUs, and only those. nvidia-smi does not list NVSwitches: the host is a snapshot
-    (`Host.snapshot`), so the fabric check reads their count as unknown, not none."""
+    """The PCI bus as the capture saw it: its `lspci -Dnk` listing where it has one (lspci.txt: a GPU on the
+    bus that NVML lost is there, and the NVSwitches), each GPU with the link nvidia-smi printed for it; else
+    the snapshot's GPUs, and only those. nvidia-smi does not list NVSwitches: without a listing the host is a
+    snapshot (`Host.snapshot`), so the fabric check reads their count as unknown, not none."""
 
-    def __init__(self, snapshot: Snapshot):
-        self.snapshot = snapshot
+    def __init__(self, snapshot: Snapshot, listed: tuple[PciListed, ...] | None = None):
+        self.snapshot, self.listed = snapshot, listed
 
     def devices(self) -> list[PciDevice]:
-        return [_device(g) for g in self.snapshot.gpus if g.bus_id]
+        captured = {str(g.bus_id): _device(g) for g in self.snapshot.gpus if g.bus_id}
+        if self.listed is None:
+            return list(captured.values())
+        return [replace(captured[d.bus_id], driver=d.driver) if d.bus_id in captured else
+                PciDevice(d.bus_id, d.vendor, d.device, d.class_code, d.driver) for d in self.listed]
 
 
 def _device(g: GpuSnapshot) -> PciDevice:
@@ -125,7 +131,7 @@ def replay_host(path: Path, node_name: str | None = None) -> Host:
     if recording is not None:                 # a bundle: NVML's own answers at capture, for what -q -x lacks
         nvml = RecordedNvml(nvml, recording)
     nvml.nvmlInit()
-    host = Host(node_name or "replay", nvml, ReplaySmi(snapshot), ReplayPciBus(snapshot), kernel_log=None,
+    host = Host(node_name or "replay", nvml, ReplaySmi(snapshot), ReplayPciBus(snapshot, side.pci), kernel_log=None,
                 boot_id="replay", threaded=False, close=nvml.nvmlShutdown, nccl_probe=ReplayNcclProbe(),
                 snapshot=True)
     host.system = ReplaySystem(system_info(snapshot, side))

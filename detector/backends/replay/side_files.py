@@ -4,6 +4,9 @@
   by the live reader's own parsers, detector/backends/system.py).
 - dev-nvidia.txt: `ls -la /dev/nvidia*` (or `ls /dev/nvidia*`): the /dev entries named nvidia*; the
   entries inside a listed directory (/dev/nvidia-caps/) are not /dev's own.
+- lspci.txt: `lspci -Dnk` (or `-Dnnk`) of the machine's NVIDIA devices: each device's bus id, class and ids,
+  and the driver bound to it. The PCI bus as the machine saw it: a GPU on the bus that NVML lost or never
+  listed is there, which nvidia-smi -q cannot show.
 - nvidia-smi-nvlink.txt: `nvidia-smi nvlink -s`: per GPU `GPU 0: NAME (UUID: GPU-...)`, then per link
   `Link 3: 26.562 GB/s` (active) or `Link 3: <inactive>`. Empty: NVML answered NotSupported for every link.
 
@@ -15,7 +18,7 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from detector.backends.safefile import UnsafeFile, read_bounded
@@ -24,6 +27,11 @@ from detector.backends.replay.limits import MAX_SIDE_FILE_BYTES
 from detector.backends.replay.raw import SnapshotError
 
 MODULES, VERSION, DEV, NVLINK = "proc-modules.txt", "proc-driver-nvidia-version.txt", "dev-nvidia.txt", "nvidia-smi-nvlink.txt"
+LSPCI = "lspci.txt"
+_BUS_ID = r"(?P<bus>(?:[0-9a-fA-F]{4,8}:)?[0-9a-fA-F]{2}:[0-9a-fA-F]{2}\.[0-7])"
+_LSPCI_N = re.compile(_BUS_ID + r"\s+(?P<cls>[0-9a-fA-F]{4}):\s+(?P<vendor>[0-9a-fA-F]{4}):(?P<device>[0-9a-fA-F]{4})\b")
+_LSPCI_NN = re.compile(_BUS_ID + r"\s.*?\[(?P<cls>[0-9a-fA-F]{4})\]:\s.*\[(?P<vendor>[0-9a-fA-F]{4}):(?P<device>[0-9a-fA-F]{4})\]")
+_LSPCI_DRIVER = re.compile(r"^\s+Kernel driver in use:\s*(?P<driver>\S+)")
 _NVLINK_GPU = re.compile(r"^GPU (\d+): .*?(?:\(UUID: (GPU-[0-9a-fA-F-]+)\))?\s*$")
 _LINK = re.compile(r"^Link (\d+):\s*(.*?)\s*$")
 _LONG_FORMAT = re.compile(r"^[-bcdlps][-rwxsStT]{9}[.+@]?\s")     # `ls -l`: the name is the last field
@@ -44,12 +52,24 @@ class NvlinkListing:
 
 
 @dataclass(frozen=True)
+class PciListed:
+    """One device of `lspci -Dnk`: its bus id (canonical), 24-bit class code, ids, and bound driver."""
+
+    bus_id: str
+    class_code: int
+    vendor: int
+    device: int
+    driver: str | None
+
+
+@dataclass(frozen=True)
 class SideFiles:
     modules: dict[str, str] | None = None
     kernel_module_version: str | None = None
     kernel_module_flavor: str | None = None
     device_files: frozenset[str] | None = None
     nvlink: NvlinkListing | None = None
+    pci: tuple[PciListed, ...] | None = None
     read: tuple[str, ...] = ()        # which files were there
 
 
@@ -59,14 +79,15 @@ def read_side_files(folder: Path) -> SideFiles:
     def text(name: str) -> str | None:
         return read_side_file(folder, name)
 
-    modules, version, dev, nvlink = text(MODULES), text(VERSION), text(DEV), text(NVLINK)
+    modules, version, dev, nvlink, lspci = text(MODULES), text(VERSION), text(DEV), text(NVLINK), text(LSPCI)
     kernel, flavor = parse_driver_version(version) if version is not None else (None, None)
     return SideFiles(modules=parse_proc_modules(modules) if modules is not None else None,
                      kernel_module_version=kernel, kernel_module_flavor=flavor,
                      device_files=parse_dev_listing(dev) if dev is not None else None,
                      nvlink=parse_nvlink_status(nvlink) if nvlink is not None else None,
-                     read=tuple(n for n, t in ((MODULES, modules), (VERSION, version), (DEV, dev), (NVLINK, nvlink))
-                                if t is not None))
+                     pci=parse_lspci(lspci) if lspci is not None else None,
+                     read=tuple(n for n, t in ((MODULES, modules), (VERSION, version), (DEV, dev), (NVLINK, nvlink),
+                                               (LSPCI, lspci)) if t is not None))
 
 
 def read_side_file(folder: Path, name: str, limit: int = MAX_SIDE_FILE_BYTES) -> str | None:
@@ -83,6 +104,24 @@ def read_side_file(folder: Path, name: str, limit: int = MAX_SIDE_FILE_BYTES) ->
         raise SnapshotError(f"{e}; a capture's side files must be regular files in its folder") from None
     except OSError as e:
         raise SnapshotError(f"{path}: cannot read it: {e.strerror or e}") from None
+
+
+def parse_lspci(text: str) -> tuple[PciListed, ...]:
+    """`lspci -Dnk` or `-Dnnk` as printed: every device line (a bus id without a domain gets 0000), with the
+    `Kernel driver in use:` line under it. Lines of neither shape (subsystems, modules) are passed over."""
+    from detector.backends.pciaddr import normalize_bus_id
+
+    devices: list[PciListed] = []
+    for line in text.splitlines():
+        if (driver := _LSPCI_DRIVER.match(line)) and devices and devices[-1].driver is None:
+            devices[-1] = replace(devices[-1], driver=driver["driver"])
+            continue
+        m = _LSPCI_N.match(line) or _LSPCI_NN.match(line)
+        if m:
+            bus = m["bus"] if m["bus"].count(":") == 2 else f"0000:{m['bus']}"
+            devices.append(PciListed(normalize_bus_id(bus), int(m["cls"], 16) << 8, int(m["vendor"], 16),
+                                     int(m["device"], 16), None))
+    return tuple(devices)
 
 
 def parse_dev_listing(text: str) -> frozenset[str]:

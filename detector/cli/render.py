@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any
@@ -11,8 +10,6 @@ from detector.core.gpu_health import GpuHealth, gpu_health, gpu_key
 from detector.core.inventory import GpuIdentity
 from detector.core.sweep import CheckRun, SweepResult
 from detector.core.types import GpuRef, Problem, Severity
-
-_NONE = re.compile(r"\bNone\b")       # Python's None, as a check's own text may carry it
 
 
 @dataclass(frozen=True)
@@ -97,7 +94,7 @@ def render_table(d: Diagnosis) -> str:
         lines += ["", *columns(rows)]
     found = Counter(p.check for p in d.problems)
     lines += ["", "checks: " + ", ".join(_check_cell(r, found[r.name]) for r in d.sweep.runs)]
-    lines += [f"{r.name}: {_readable(r.summary)}" for r in d.sweep.runs if r.summary]
+    lines += [f"{r.name}: {r.summary}" for r in d.sweep.runs if r.summary]
     lines.append("")
     if not d.problems:
         lines.append("No problems found.")
@@ -146,14 +143,8 @@ def _check_cell(run: CheckRun, problems: int) -> str:
     words = [] if run.status == "ok" and problems else [run.status]
     if problems:
         words.append(f"found {problems} problem{'s' if problems != 1 else ''}")
-    why = f": {_readable(run.error)}" if run.error else ""
+    why = f": {run.error}" if run.error else ""
     return f"{run.name} {', '.join(words)} ({run.duration_ms:.0f} ms){why}"
-
-
-def _readable(text: str) -> str:
-    """A check's own summary or error as a person reads it: a reading it could not take is `unknown`, never
-    Python's `None` (a check that formats its readings as they are, missing ones included, says None)."""
-    return _NONE.sub("unknown", text)
 
 
 def _badge(severity: Severity) -> str:

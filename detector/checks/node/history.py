@@ -14,9 +14,9 @@ is recorded by its serial. From another boot it is only a hint (the board may ha
 Bounded: what is older than `retention_s` ages out, and at most MAX_BOOTS boots (MAX_PROBLEMS problems
 each), MAX_GPUS GPUs and MAX_INCIDENTS incidents per GPU, and MAX_SEEN bus ids' boards are kept (the
 newest), so the file has a size limit it never legitimately reaches (HISTORY_LIMIT). Writes happen only
-when something new is learned (a boot, a problem in a boot, an incident, a board), atomically through a fresh temporary name. A file that cannot
-be read (a link, a FIFO, too big, corrupt, the wrong shape) is moved aside for a post-mortem, reported
-once, and the history starts afresh: it never stops the daemon.
+when something new is learned (a boot, a problem in a boot, an incident, a board), atomically through a
+fresh temporary name. A file that cannot be read (a link, a FIFO, too big, corrupt, the wrong shape) is
+moved aside for a post-mortem, reported once, and the history starts afresh: it never stops the daemon.
 """
 
 from __future__ import annotations

@@ -19,10 +19,13 @@ from detector.backends.pci import PciDevice
 from detector.backends.smi_listing import SmiListing, parse_smi_list
 from detector.checks.latency import LatencyWindow, Timed, latency_fields, node_fields
 from detector.core.check import Check, CheckOutput, ConfigField, GaugeSpec
-from detector.core.inventory import GpuInfo, Inventory
+from detector.core.deadline import Hung, call_with_deadline
+from detector.core.inventory import GpuInfo, Inventory, nvml_error_name
 from detector.core.sweep import SweepContext
 from detector.core.types import GpuRef, Observation
 
+
+RECHECK_TIMEOUT_S = 2.0      # NVML asked once more about a GPU nvidia-smi -L did not list (one call)
 
 # A GPU's latency fields where nothing was timed for it (not in NVML, or the host's NVML is not timed).
 _UNTIMED: dict[str, Any] = {"nvml_calls": 0, "nvml_p95_s": None, "nvml_max_s": None, "nvml_latency_ready": False,
@@ -106,7 +109,7 @@ class VisibilityCheck(Check):
         bus_ids = sorted({d.bus_id for d in pci or []} | set(by_bus) | set(smi.errors))
         pci_by_bus = {d.bus_id: d for d in pci or []}
 
-        observations = [self._gpu_observation(b, pci_by_bus.get(b), by_bus.get(b), inv, smi) for b in bus_ids]
+        observations = [self._gpu_observation(b, pci_by_bus.get(b), by_bus.get(b), inv, smi, ctx) for b in bus_ids]
         timed, node_latency = self._time_gpus(ctx)
         for obs in observations:
             if obs.gpu is not None and obs.gpu.pci_bus_id in timed:
@@ -134,16 +137,20 @@ class VisibilityCheck(Check):
         return CheckOutput(observations, result)
 
     def _gpu_observation(self, bus_id: str, dev: PciDevice | None, info: GpuInfo | None, inv: Inventory,
-                         smi: SmiListing) -> Observation:
+                         smi: SmiListing, ctx: SweepContext) -> Observation:
         nvml_ok = inv.nvml_error is None
         in_nvml = (info is not None and info.error is None) if nvml_ok else None
         in_smi = smi.in_smi(info.uuid if info else None, bus_id) if smi.status in ("ok", "partial") else None
+        nvml_error = (info.error or "") if info else ""
+        if in_nvml and in_smi is False and info is not None:
+            nvml_error = _nvml_error_now(ctx, info)       # fell off between NVML's read and nvidia-smi's?
+            in_nvml = not nvml_error
         fields: dict[str, Any] = {
             "pci_bus_id": bus_id,
             "on_pci": dev is not None,
             "driver": (dev.driver or "") if dev else "",
             "in_nvml": in_nvml,
-            "nvml_error": (info.error or "") if info else "",
+            "nvml_error": nvml_error,
             "in_smi": in_smi,
             "smi_error": smi.errors.get(bus_id, ""),
             **_UNTIMED,
@@ -181,3 +188,18 @@ class VisibilityCheck(Check):
         if outcome.status != "ok":
             return SmiListing(outcome.status, detail=outcome.detail)
         return parse_smi_list(outcome.returncode or 0, outcome.stdout + "\n" + outcome.stderr)
+
+
+def _nvml_error_now(ctx: SweepContext, info: GpuInfo) -> str:
+    """NVML's error for a GPU it read at the sweep's start but nvidia-smi, run after, does not list ("" when it
+    still answers): a GPU that fell off the bus in between is judged by what NVML says of it now
+    (GpuIsLost), not as a disagreement of the two tools. One call, bounded: a hung one changes nothing."""
+    if info.handle is None:
+        return ""
+    try:
+        call_with_deadline(lambda: ctx.host.nvml.nvmlDeviceGetUUID(info.handle), RECHECK_TIMEOUT_S, "nvml-recheck")
+    except Hung:
+        return ""
+    except Exception as e:  # noqa: BLE001 - NVMLError mostly; any failure is what NVML says of the GPU now
+        return nvml_error_name(e)
+    return ""
